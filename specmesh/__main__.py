@@ -1,0 +1,3 @@
+from specmesh.cli import main
+
+main()

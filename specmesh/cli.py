@@ -1,0 +1,253 @@
+"""The ``specmesh`` command line: serve, up, generate, status, admin, demo."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from specmesh.client import DEFAULT_ADDRESS, Client
+from specmesh.params import SamplingParams, SpecDecodeParams
+
+DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain how it works."
+DEMO_CONCURRENT_PROMPTS = [
+    "What is the capital of France?",
+    "Give three tips for writing clean code.",
+    "Explain what a hash table is.",
+    "Translate 'good morning' into German and Spanish.",
+    "What causes the seasons on Earth?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "Write a haiku about the sea.",
+    "What is 17 times 23? Show your steps.",
+]
+
+
+def _serve(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: specmesh serve {verifier} [service flags]  (specmesh serve verifier --help)")
+        return
+    service, rest = argv[0], argv[1:]
+    if service == "verifier":
+        from verifier_svc.server import main as verifier_main
+
+        verifier_main(rest)
+    else:
+        sys.exit(f"specmesh serve: unknown service {service!r} (known: verifier)")
+
+
+def _deployment(args: argparse.Namespace):
+    from specmesh.deploy import DeploymentConfig, LocalDeployment
+
+    cfg = DeploymentConfig(
+        model=args.model,
+        verifier_address=args.verifier_address,
+        verifier_threads=args.threads,
+        run_dir=Path(args.run_dir) if args.run_dir else DeploymentConfig().run_dir,
+    )
+    return LocalDeployment(cfg)
+
+
+def _up(args: argparse.Namespace) -> None:
+    dep = _deployment(args)
+    print("specmesh: starting services (the first start converts the default model, ~1 min)…", flush=True)
+    dep.start()
+    for svc in dep.services:
+        print(f"  {svc.name:<10} {svc.address:<22} pid {svc.proc.pid}  log {svc.log_path}", flush=True)
+    print("specmesh: ready. Ctrl-C stops every service.", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.is_set():
+            if any(s.proc.poll() is not None for s in dep.services):
+                print("specmesh: a service exited; stopping the rest", file=sys.stderr)
+                break
+            stop.wait(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("specmesh: stopping…", flush=True)
+        dep.stop()
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _stream_one(client: Client, prompt: str, sampling: SamplingParams, spec: SpecDecodeParams, chat: bool) -> float:
+    """Stream one answer to stdout; return its decode tokens/s."""
+    t0 = time.perf_counter()
+    stream = client.generate(prompt, sampling, spec, chat=chat)
+    for chunk in stream:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    elapsed = time.perf_counter() - t0
+    s = stream.summary
+    assert s is not None
+    decode_s = max(elapsed - s.time_to_first_token_ms / 1e3, 1e-9)
+    tps = (s.completion_tokens - 1) / decode_s if s.completion_tokens > 1 else 0.0
+    m = s.speculation
+    print(
+        f"\n[{s.completion_tokens} tokens, finish={s.finish_reason}, TTFT {s.time_to_first_token_ms:.0f} ms, "
+        f"{tps:.1f} tok/s, steps {m.steps}, mean accepted length {m.mean_accepted_length:.2f}"
+        + (f", no speculation: {m.fallback_reason}" if m.fallback_reason else "")
+        + "]",
+        file=sys.stderr,
+        flush=True,
+    )
+    return tps
+
+
+def _generate(args: argparse.Namespace) -> None:
+    spec = SpecDecodeParams(proposer=args.proposer, num_speculative_tokens=args.num_speculative_tokens)
+    with Client(args.target) as client:
+        try:
+            _stream_one(client, args.prompt, _sampling(args), spec, chat=not args.raw)
+        except grpc.RpcError as exc:
+            sys.exit(f"specmesh generate: {exc.code().name}: {exc.details()}")
+
+
+def _status(args: argparse.Namespace) -> None:
+    from specmesh.deploy import check_health, known_services
+
+    services = dict(known_services())
+    for i, addr in enumerate(args.target or []):
+        services[f"target{i}"] = addr
+    if not services:
+        services = {"verifier": DEFAULT_ADDRESS}
+    bad = 0
+    for name, addr in services.items():
+        state = check_health(addr)
+        bad += state != "SERVING"
+        print(f"{name:<10} {addr:<22} {state}")
+    sys.exit(1 if bad else 0)
+
+
+def _admin(args: argparse.Namespace) -> None:
+    from google.protobuf import text_format
+
+    from specmesh.v1 import admin_pb2
+
+    with Client(args.target) as client:
+        try:
+            if args.admin_cmd == "stats":
+                print(text_format.MessageToString(client.stats()), end="")
+            elif args.admin_cmd == "policy":
+                mode = {
+                    "auto": admin_pb2.POLICY_MODE_AUTO,
+                    "fixed": admin_pb2.POLICY_MODE_FIXED,
+                    "off": admin_pb2.POLICY_MODE_OFF,
+                }
+                policy = admin_pb2.SpeculationPolicy(
+                    mode=mode[args.mode],
+                    proposer=args.proposer or "",
+                    num_speculative_tokens=args.num_speculative_tokens,
+                    max_tree_nodes=args.max_tree_nodes,
+                )
+                print(text_format.MessageToString(client.set_policy(policy)), end="")
+        except grpc.RpcError as exc:
+            sys.exit(f"specmesh admin: {exc.code().name}: {exc.details()}")
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    dep = _deployment(args)
+    print("specmesh demo: starting the services…", flush=True)
+    dep.start()
+    try:
+        with Client(dep.verifier_address) as client:
+            greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+            print(f"\n>>> {DEMO_PROMPT}\n", flush=True)
+            single = _stream_one(client, DEMO_PROMPT, greedy, SpecDecodeParams(proposer="none"), chat=True)
+
+            print(f"\n>>> {len(DEMO_CONCURRENT_PROMPTS)} concurrent streams (continuous batching)…", flush=True)
+            short = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(DEMO_CONCURRENT_PROMPTS)) as pool:
+                results = list(pool.map(lambda p: client.complete(p, short, chat=True), DEMO_CONCURRENT_PROMPTS))
+            elapsed = time.perf_counter() - t0
+            total = sum(len(r.token_ids) for r in results)
+            print(f"    first answer: {results[0].text.strip()[:100]!r}")
+            print(
+                f"\nsingle stream: {single:.1f} tok/s | {len(results)} streams: {total / elapsed:.1f} tok/s aggregate "
+                f"({total / elapsed / max(single, 1e-9):.1f}x)",
+                flush=True,
+            )
+    finally:
+        dep.stop()
+        print("specmesh demo: services stopped.", flush=True)
+
+
+def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--verifier-address", default=DEFAULT_ADDRESS)
+    p.add_argument("--threads", type=int, default=0, help="torch threads of the verifier (0 = default)")
+    p.add_argument("--run-dir", default=None, help="where logs and the deployment state file go")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh", description="SpecMesh: speculative decoding as gRPC services.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    sub.add_parser("serve", help="run one service in the foreground (as a container does)", add_help=False)
+
+    up = sub.add_parser("up", help="start every service as its own local process")
+    _add_deploy_flags(up)
+
+    gen = sub.add_parser("generate", help="stream a completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default=DEFAULT_ADDRESS, help="verifier host:port")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    gen.add_argument("--proposer", default="auto", help="auto, none, ngram, draft, rag")
+    gen.add_argument("--num-speculative-tokens", type=int, default=0)
+    _add_sampling_flags(gen)
+
+    st = sub.add_parser("status", help="health of each service")
+    st.add_argument("--target", action="append", help="extra host:port to check (repeatable)")
+
+    adm = sub.add_parser("admin", help="live statistics and the runtime speculation policy")
+    adm.add_argument("--target", default=DEFAULT_ADDRESS, help="verifier host:port")
+    adm_sub = adm.add_subparsers(dest="admin_cmd", required=True)
+    adm_sub.add_parser("stats", help="print live statistics")
+    pol = adm_sub.add_parser("policy", help="set the default speculation policy")
+    pol.add_argument("--mode", choices=["auto", "fixed", "off"], required=True)
+    pol.add_argument("--proposer", default="", help="proposer for --mode fixed")
+    pol.add_argument("--num-speculative-tokens", type=int, default=0)
+    pol.add_argument("--max-tree-nodes", type=int, default=0)
+
+    demo = sub.add_parser("demo", help="start the services, stream answers, print tokens/s, stop")
+    _add_deploy_flags(demo)
+    demo.add_argument("--max-tokens", type=int, default=128)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":  # service flags belong to the service's own parser
+        _serve(argv[1:])
+        return
+    args = build_parser().parse_args(argv)
+    {"up": _up, "generate": _generate, "status": _status, "admin": _admin, "demo": _demo}[args.cmd](args)

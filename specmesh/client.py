@@ -1,0 +1,137 @@
+"""gRPC client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+>>> from specmesh import Client, SamplingParams            # doctest: +SKIP
+>>> with Client("127.0.0.1:50051") as c:                    # doctest: +SKIP
+...     for chunk in (stream := c.generate("Hi!", SamplingParams(temperature=0), chat=True)):
+...         print(chunk.text, end="")
+...     print(stream.summary.completion_tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+
+from specmesh.params import Chunk, Completion, Prompt, SamplingParams, SpecDecodeParams, Summary, build_request
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.enable_retries", 1)]
+
+
+class GenerationStream:
+    """Iterate for ``Chunk``s; ``summary`` is set once the stream has ended."""
+
+    def __init__(self, call: grpc.Call) -> None:
+        self._call = call
+        self.summary: Summary | None = None
+        self.request_id = ""
+
+    def __iter__(self) -> Iterator[Chunk]:
+        for resp in self._call:
+            self.request_id = resp.request_id
+            if resp.HasField("summary"):
+                self.summary = Summary.from_proto(resp.summary)
+            else:
+                yield Chunk(list(resp.chunk.token_ids), resp.chunk.text)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Client:
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, channel: grpc.Channel | None = None) -> None:
+        self.channel = channel or grpc.insecure_channel(address, options=_OPTIONS)
+        self._gen = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self._admin = admin_pb2_grpc.AdminServiceStub(self.channel)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        spec: SpecDecodeParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> GenerationStream:
+        req = build_request(prompt, sampling, spec, chat, request_id)
+        return GenerationStream(self._gen.Generate(req, timeout=timeout))
+
+    def complete(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecDecodeParams | None = None,
+                 *, chat: bool = False, timeout: float | None = None) -> Completion:  # fmt: skip
+        out = Completion()
+        stream = self.generate(prompt, sampling, spec, chat=chat, timeout=timeout)
+        for chunk in stream:
+            out.text += chunk.text
+            out.token_ids.extend(chunk.token_ids)
+        out.summary = stream.summary
+        return out
+
+    def stats(self) -> admin_pb2.GetStatsResponse:
+        return self._admin.GetStats(admin_pb2.GetStatsRequest())
+
+    def set_policy(self, policy: admin_pb2.SpeculationPolicy) -> admin_pb2.SpeculationPolicy:
+        return self._admin.SetPolicy(admin_pb2.SetPolicyRequest(policy=policy)).policy
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, channel: grpc.aio.Channel | None = None) -> None:
+        self.channel = channel or grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self._gen = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self._admin = admin_pb2_grpc.AdminServiceStub(self.channel)
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        spec: SpecDecodeParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> AsyncIterator[Chunk | Summary]:
+        """Yields ``Chunk``s, then exactly one ``Summary``."""
+        call = self._gen.Generate(build_request(prompt, sampling, spec, chat, request_id), timeout=timeout)
+        async for resp in call:
+            if resp.HasField("summary"):
+                yield Summary.from_proto(resp.summary)
+            else:
+                yield Chunk(list(resp.chunk.token_ids), resp.chunk.text)
+
+    async def complete(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                       spec: SpecDecodeParams | None = None, *, chat: bool = False,
+                       timeout: float | None = None) -> Completion:  # fmt: skip
+        out = Completion()
+        async for item in self.generate(prompt, sampling, spec, chat=chat, timeout=timeout):
+            if isinstance(item, Summary):
+                out.summary = item
+            else:
+                out.text += item.text
+                out.token_ids.extend(item.token_ids)
+        return out
+
+    async def stats(self) -> admin_pb2.GetStatsResponse:
+        return await self._admin.GetStats(admin_pb2.GetStatsRequest())
+
+    async def set_policy(self, policy: admin_pb2.SpeculationPolicy) -> admin_pb2.SpeculationPolicy:
+        return (await self._admin.SetPolicy(admin_pb2.SetPolicyRequest(policy=policy))).policy
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,156 @@
+"""Local deployment: every service its own process on loopback (``specmesh up``).
+
+Each service is started with the same ``specmesh serve …`` command a container would run,
+waited on through the standard gRPC health check, and stopped with SIGTERM (graceful drain).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Block until ``address`` answers SERVING on the health service; raise on timeout or exit."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"service at {address} exited with code {proc.returncode}")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"service at {address} not healthy after {timeout_s:.0f} s")
+
+
+def check_health(address: str, timeout_s: float = 2.0) -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE (with the gRPC error)."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    except grpc.RpcError as exc:
+        return f"UNREACHABLE ({exc.code().name})"
+
+
+def default_run_dir() -> Path:
+    from specmesh.model_loading import cache_dir
+
+    return cache_dir() / "run"
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    model: str | None = None
+    verifier_address: str = "127.0.0.1:50051"
+    verifier_threads: int = 0
+    max_running: int = 32
+    extra_verifier_args: tuple[str, ...] = ()
+    run_dir: Path = field(default_factory=default_run_dir)
+    startup_timeout_s: float = 600.0  # the first start converts the GGUF
+
+
+@dataclass
+class Service:
+    name: str
+    address: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+
+class LocalDeployment:
+    """Start, describe and stop the local services; use as a context manager."""
+
+    def __init__(self, config: DeploymentConfig) -> None:
+        self.config = config
+        serve = [sys.executable, "-m", "specmesh", "serve"]
+        verifier_args = ["--address", config.verifier_address, "--max-running", str(config.max_running)]
+        if config.model:
+            verifier_args += ["--model", config.model]
+        if config.verifier_threads:
+            verifier_args += ["--threads", str(config.verifier_threads)]
+        self.services = [
+            Service(
+                "verifier", config.verifier_address, [*serve, "verifier", *verifier_args, *config.extra_verifier_args]
+            )
+        ]
+
+    @property
+    def verifier_address(self) -> str:
+        return self.services[0].address
+
+    def start(self) -> None:
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for svc in self.services:
+                svc.log_path = self.config.run_dir / f"{svc.name}.log"
+                log = svc.log_path.open("wb")
+                svc.proc = subprocess.Popen(svc.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            for svc in self.services:
+                wait_healthy(svc.address, self.config.startup_timeout_s, svc.proc)
+        except BaseException:
+            self.stop()
+            for svc in self.services:
+                if svc.log_path and svc.log_path.exists():
+                    tail = svc.log_path.read_text(errors="replace")[-3000:]
+                    print(f"--- {svc.name} log ({svc.log_path}) ---\n{tail}", file=sys.stderr)
+            raise
+        self._write_state()
+
+    def stop(self, timeout_s: float = 40.0) -> None:
+        for svc in self.services:
+            if svc.proc and svc.proc.poll() is None:
+                svc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for svc in self.services:
+            if svc.proc is None:
+                continue
+            try:
+                svc.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                svc.proc.kill()
+                svc.proc.wait()
+        state = self.config.run_dir / "deployment.json"
+        if state.exists() and json.loads(state.read_text()).get("pid") == os.getpid():
+            state.unlink()
+
+    def _write_state(self) -> None:
+        state = {"pid": os.getpid(), "services": {s.name: s.address for s in self.services}}
+        (self.config.run_dir / "deployment.json").write_text(json.dumps(state, indent=2))
+
+    def __enter__(self) -> LocalDeployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def known_services(run_dir: Path | None = None) -> dict[str, str]:
+    """Services of the running local deployment, from the state file ``specmesh up`` writes."""
+    path = (run_dir or default_run_dir()) / "deployment.json"
+    if not path.exists():
+        return {}
+    return dict(json.loads(path.read_text()).get("services", {}))

@@ -1,0 +1,120 @@
+"""Typed request parameters and results of the client SDK (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specmesh.v1 import generation_pb2, params_pb2
+
+FINISH_REASONS = {
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_EOS: "eos",
+    generation_pb2.FINISH_REASON_STOP: "stop",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``None`` leaves a field to the server default (temperature 1.0, top_p 1.0, max_tokens 256)."""
+
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def to_proto(self) -> params_pb2.SamplingParams:
+        msg = params_pb2.SamplingParams(top_k=self.top_k, stop=list(self.stop), ignore_eos=self.ignore_eos)
+        for name in ("temperature", "top_p", "seed", "max_tokens"):
+            if (value := getattr(self, name)) is not None:
+                setattr(msg, name, value)
+        return msg
+
+
+@dataclass(frozen=True)
+class SpecDecodeParams:
+    proposer: str = "auto"  # "auto" | "none" | "ngram" | "draft" | "rag"
+    num_speculative_tokens: int = 0  # 0 = the router decides
+    max_tree_nodes: int = 0  # 0 = the server default
+    workload_tag: str = ""
+    corpus: str = ""
+
+    def to_proto(self) -> params_pb2.SpecDecodeParams:
+        return params_pb2.SpecDecodeParams(
+            proposer=self.proposer,
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_tree_nodes=self.max_tree_nodes,
+            workload_tag=self.workload_tag,
+            corpus=self.corpus,
+        )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Summary:
+    finish_reason: str  # "length" | "eos" | "stop"
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_ms: float
+    total_ms: float
+    speculation: params_pb2.SpeculationMetrics
+    stop_string: str = ""
+
+    @classmethod
+    def from_proto(cls, msg: generation_pb2.GenerationSummary) -> Summary:
+        return cls(
+            finish_reason=FINISH_REASONS.get(msg.finish_reason, "unspecified"),
+            prompt_tokens=msg.usage.prompt_tokens,
+            completion_tokens=msg.usage.completion_tokens,
+            time_to_first_token_ms=msg.timing.time_to_first_token_ms,
+            total_ms=msg.timing.total_ms,
+            speculation=msg.speculation,
+            stop_string=msg.stop_string,
+        )
+
+
+@dataclass
+class Completion:
+    """A whole generation: what ``Client.complete`` returns."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    summary: Summary | None = None
+
+
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+def build_request(
+    prompt: Prompt,
+    sampling: SamplingParams | None,
+    spec: SpecDecodeParams | None,
+    chat: bool,
+    request_id: str = "",
+) -> generation_pb2.GenerateRequest:
+    """str → text (or a single user turn when ``chat``); list[int] → token ids; list[dict] → chat."""
+    req = generation_pb2.GenerateRequest(
+        sampling=(sampling or SamplingParams()).to_proto(),
+        spec_decode=(spec or SpecDecodeParams()).to_proto(),
+        request_id=request_id,
+    )
+    if isinstance(prompt, str):
+        if chat:
+            req.chat.messages.add(role="user", content=prompt)
+        else:
+            req.text = prompt
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+    elif prompt and all(isinstance(m, dict) for m in prompt):
+        for m in prompt:
+            req.chat.messages.add(role=m["role"], content=m["content"])  # type: ignore[index]
+    else:  # empty: the server answers INVALID_ARGUMENT naming the field
+        req.text = ""
+    return req

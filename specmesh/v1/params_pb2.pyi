@@ -1,0 +1,78 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class SpecDecodeParams(_message.Message):
+    __slots__ = ("proposer", "num_speculative_tokens", "max_tree_nodes", "workload_tag", "corpus")
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_TAG_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    proposer: str
+    num_speculative_tokens: int
+    max_tree_nodes: int
+    workload_tag: str
+    corpus: str
+    def __init__(self, proposer: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., workload_tag: _Optional[str] = ..., corpus: _Optional[str] = ...) -> None: ...
+
+class ProposerMetrics(_message.Message):
+    __slots__ = ("steps", "drafted_tokens", "accepted_tokens")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+
+class SpeculationMetrics(_message.Message):
+    __slots__ = ("steps", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "per_proposer", "proposer_wait_ms", "verify_ms", "fallback_reason", "invalid_trees")
+    class PerProposerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ProposerMetrics
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ProposerMetrics, _Mapping]] = ...) -> None: ...
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PER_PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    INVALID_TREES_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    drafted_tokens: int
+    accepted_tokens: int
+    mean_accepted_length: float
+    per_proposer: _containers.MessageMap[str, ProposerMetrics]
+    proposer_wait_ms: float
+    verify_ms: float
+    fallback_reason: str
+    invalid_trees: int
+    def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., per_proposer: _Optional[_Mapping[str, ProposerMetrics]] = ..., proposer_wait_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., invalid_trees: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The verifier service: runs the target model, batches requests, streams tokens."""

@@ -1,0 +1,3 @@
+from verifier_svc.server import main
+
+main()

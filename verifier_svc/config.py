@@ -1,0 +1,65 @@
+"""Verifier configuration: flags, each with an environment-variable default (for containers)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from verifier_svc.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    address: str = "127.0.0.1:50051"
+    model: str | None = None  # None = the default model
+    device: str | None = None
+    dtype: str | None = None
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    max_context: int = 0  # 0 = the model's max_position_embeddings
+    proposers: tuple[tuple[str, str], ...] = ()  # (name, address)
+    grace_s: float = 30.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"SPECMESH_{name}", default)
+
+
+def parse_args(argv: list[str] | None = None) -> VerifierConfig:
+    p = argparse.ArgumentParser(prog="specmesh-verifier", description="SpecMesh verifier service (target model).")
+    p.add_argument("--address", default=_env("VERIFIER_ADDRESS", "127.0.0.1:50051"), help="host:port to listen on")
+    p.add_argument("--model", default=_env("MODEL", "") or None, help="HF model folder or .gguf; default SmolLM2-135M")
+    p.add_argument("--device", default=_env("DEVICE", "") or None, help="cpu, cuda, cuda:1 …; default: GPU if present")
+    p.add_argument("--dtype", default=_env("DTYPE", "") or None, help="float32, bfloat16, float16")
+    p.add_argument("--threads", type=int, default=int(_env("THREADS", "0")), help="torch threads (0 = default)")
+    p.add_argument("--max-context", type=int, default=int(_env("MAX_CONTEXT", "0")), help="0 = model maximum")
+    p.add_argument("--max-running", type=int, default=int(_env("MAX_RUNNING", "32")), help="batch slots")
+    p.add_argument("--max-waiting", type=int, default=int(_env("MAX_WAITING", "64")), help="queued requests")
+    p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", "512")), help="tokens per prefill")
+    p.add_argument(
+        "--proposer",
+        action="append",
+        default=[x for x in _env("PROPOSERS", "").split(",") if x],
+        metavar="NAME=ADDRESS",
+        help="a proposer service, e.g. ngram=127.0.0.1:50061 (repeatable)",
+    )
+    p.add_argument("--grace", type=float, default=float(_env("GRACE_S", "30")), help="drain seconds on SIGTERM")
+    a = p.parse_args(argv)
+    proposers = []
+    for item in a.proposer:
+        name, sep, addr = item.partition("=")
+        if not sep or not name or not addr:
+            p.error(f"--proposer expects NAME=ADDRESS, got {item!r}")
+        proposers.append((name.strip().lower(), addr.strip()))
+    return VerifierConfig(
+        address=a.address,
+        model=a.model,
+        device=a.device,
+        dtype=a.dtype,
+        threads=a.threads,
+        max_context=a.max_context,
+        proposers=tuple(proposers),
+        grace_s=a.grace,
+        engine=EngineConfig(max_running=a.max_running, max_waiting=a.max_waiting, prefill_chunk_tokens=a.prefill_chunk),
+    )

@@ -1,0 +1,80 @@
+"""Runs the stock HF causal LM over the slot KV cache with explicit positions and masks.
+
+One call = one forward pass over a contiguous range of slots, each row bringing ``n`` new
+tokens (ragged rows are right-padded). Masks are boolean [b, n, kv_len] (True = attend) and
+become the float 4D mask transformers passes through unchanged. The same entry point serves
+chunked prefill, plain decode and, later, token-tree verification (ancestor masks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verifier_svc.kv_cache import SlotKVCache
+
+
+def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Each query sees every cached key up to and including its own position.
+
+    positions: int64 [b, n] → bool [b, n, kv_len].
+
+    >>> causal_mask(torch.tensor([[2], [0]]), 3).int().tolist()
+    [[[1, 1, 1]], [[1, 0, 0]]]
+    """
+    keys = torch.arange(kv_len, device=positions.device)
+    return keys[None, None, :] <= positions[:, :, None]
+
+
+class ModelRunner:
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, max_context: int) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()  # the base model: hidden states, no lm_head
+        self.lm_head = model.get_output_embeddings()
+        self.device, self.dtype = device, dtype
+        cfg = model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        self.vocab_size = int(text_cfg.vocab_size)
+        self.cache = SlotKVCache(
+            num_layers=text_cfg.num_hidden_layers,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            seq_limit=max_context,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        rows: slice,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        write_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states of the new tokens.
+
+        input_ids, positions: int64 [b, n]; mask: bool [b, n, kv_len]; write_pos: int64 [b, n]
+        (cache slots for the new tokens; defaults to ``positions``) → [b, n, hidden].
+        """
+        kv_len = mask.shape[-1]
+        self.cache.begin_forward(rows, positions if write_pos is None else write_pos, kv_len)
+        attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
+        attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
+        out = self.decoder(
+            input_ids=input_ids,
+            attention_mask=attn[:, None],  # [b, 1, n, kv_len]
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] → fp32 [..., vocab]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,151 @@
+"""Validated generation requests: the wire message turned into what the engine runs.
+
+Every rule names the field it checks, so a client gets ``INVALID_ARGUMENT`` with a message
+that says which field to fix.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specmesh.v1 import generation_pb2
+
+DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 16
+BUILTIN_PROPOSERS = ("ngram", "draft", "rag")
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ProposerNotConfigured(ValueError):
+    """A known proposer kind that this verifier has no service address for."""
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    proposer: str  # "auto" | "none" | a proposer name
+    num_speculative_tokens: int  # 0 = router decides
+    max_tree_nodes: int  # 0 = server default
+    workload_tag: str
+    corpus: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    temperature: float  # 0 = greedy
+    top_p: float
+    top_k: int
+    seed: int
+    max_tokens: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    spec: SpecRequest
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_context: int
+    vocab_size: int
+    max_speculative_tokens: int = 64
+    max_tree_nodes: int = 128
+    configured_proposers: tuple[str, ...] = ()
+
+
+def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: RequestLimits) -> GenerationRequest:
+    prompt_ids = _prompt_ids(msg, tokenizer, limits)
+    s = msg.sampling
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not (0 < top_p <= 1):  # also rejects NaN
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    if s.top_k < 0:
+        raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 = disabled), got {s.top_k}")
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens < 1:
+        raise InvalidRequest("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+    if len(s.stop) > MAX_STOP_STRINGS or any(not stop for stop in s.stop):
+        raise InvalidRequest("sampling.stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
+    seed = s.seed if s.HasField("seed") else secrets.randbits(63)
+    return GenerationRequest(
+        request_id=msg.request_id or uuid.uuid4().hex,
+        prompt_ids=prompt_ids,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(s.top_k),
+        seed=int(seed) & (2**63 - 1),
+        max_tokens=int(max_tokens),
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+        spec=_spec(msg, limits),
+    )
+
+
+def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: RequestLimits) -> list[int]:
+    kind = msg.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequest("input", "empty prompt: set text, token_ids or chat")
+    if kind == "text":
+        if not msg.text:
+            raise InvalidRequest("input.text", "empty prompt")
+        ids = tokenizer.encode(msg.text, add_special_tokens=True)
+    elif kind == "token_ids":
+        ids = list(msg.token_ids.ids)
+        if not ids:
+            raise InvalidRequest("input.token_ids", "empty prompt")
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                "input.token_ids", f"token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})"
+            )
+    else:
+        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+        if not messages or all(not m["content"] for m in messages):
+            raise InvalidRequest("input.chat", "empty prompt: no message content")
+        if bad_roles := {m["role"] for m in messages} - {"system", "user", "assistant"}:
+            raise InvalidRequest("input.chat", f"unknown role {sorted(bad_roles)[0]!r}")
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as exc:  # template errors are the request's fault (e.g. role order)
+            raise InvalidRequest("input.chat", f"chat template failed: {exc}") from exc
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    if not ids:
+        raise InvalidRequest(f"input.{kind}", "prompt tokenizes to nothing")
+    if len(ids) >= limits.max_context:
+        raise InvalidRequest(
+            f"input.{kind}", f"prompt has {len(ids)} tokens; the model's context is {limits.max_context} tokens"
+        )
+    return ids
+
+
+def _spec(msg: generation_pb2.GenerateRequest, limits: RequestLimits) -> SpecRequest:
+    p = msg.spec_decode
+    name = (p.proposer or "auto").lower()
+    known = ("auto", "none", *BUILTIN_PROPOSERS, *limits.configured_proposers)
+    if name not in known:
+        raise InvalidRequest(
+            "spec_decode.proposer", f"unknown proposer {p.proposer!r}; known: {', '.join(dict.fromkeys(known))}"
+        )
+    if name in BUILTIN_PROPOSERS and name not in limits.configured_proposers:
+        raise ProposerNotConfigured(f"spec_decode.proposer: proposer {name!r} is not configured on this verifier")
+    if not 0 <= p.num_speculative_tokens <= limits.max_speculative_tokens:
+        raise InvalidRequest(
+            "spec_decode.num_speculative_tokens",
+            f"must be in [0, {limits.max_speculative_tokens}], got {p.num_speculative_tokens}",
+        )
+    if not 0 <= p.max_tree_nodes <= limits.max_tree_nodes:
+        raise InvalidRequest(
+            "spec_decode.max_tree_nodes", f"must be in [0, {limits.max_tree_nodes}], got {p.max_tree_nodes}"
+        )
+    return SpecRequest(name, p.num_speculative_tokens, p.max_tree_nodes, p.workload_tag, p.corpus)

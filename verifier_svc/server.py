@@ -1,0 +1,213 @@
+"""gRPC front of the verifier: GenerationService and AdminService over the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
+from specmesh.serving import new_server, serve
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc, params_pb2
+from verifier_svc.config import VerifierConfig, parse_args
+from verifier_svc.engine import Engine, EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent
+from verifier_svc.requests import InvalidRequest, ProposerNotConfigured, RequestLimits, build_request
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "eos": generation_pb2.FINISH_REASON_EOS,
+    "stop": generation_pb2.FINISH_REASON_STOP,
+}
+_MODE_TO_PB = {
+    "auto": admin_pb2.POLICY_MODE_AUTO,
+    "fixed": admin_pb2.POLICY_MODE_FIXED,
+    "off": admin_pb2.POLICY_MODE_OFF,
+}
+_PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, engine: Engine, tokenizer: object, limits: RequestLimits, policy: PolicyStore) -> None:
+        self.engine, self.tokenizer, self.limits, self.policy = engine, tokenizer, limits, policy
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            req = build_request(request, self.tokenizer, self.limits)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ProposerNotConfigured as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        choice = resolve_proposer(req.spec.proposer, self.policy.get(), self.limits.configured_proposers)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        try:
+            self.engine.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        except EngineFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many concurrent requests: {exc}")
+        except EngineStopped as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finished = False
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, ErrorEvent):
+                    finished = True
+                    await context.abort(grpc.StatusCode.INTERNAL, ev.message)
+                if isinstance(ev, FinishEvent):
+                    finished = True
+                    yield generation_pb2.GenerateResponse(
+                        request_id=req.request_id, summary=_summary(ev, choice.reason)
+                    )
+                    return
+                chunk = generation_pb2.TokenChunk(token_ids=ev.token_ids, text=ev.text)
+                yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
+        finally:
+            if not finished:  # client cancelled or disconnected: free the slot now
+                self.engine.cancel(req.request_id)
+
+
+def _summary(ev: FinishEvent, fallback_reason: str) -> generation_pb2.GenerationSummary:
+    emitted_after_prefill = max(ev.completion_tokens - 1, 0)
+    return generation_pb2.GenerationSummary(
+        finish_reason=_FINISH[ev.finish_reason],
+        usage=generation_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
+        speculation=params_pb2.SpeculationMetrics(
+            steps=ev.steps,
+            mean_accepted_length=emitted_after_prefill / ev.steps if ev.steps else 0.0,
+            verify_ms=ev.verify_ms,
+            fallback_reason=fallback_reason,
+        ),
+        timing=generation_pb2.Timing(queue_ms=ev.queue_ms, time_to_first_token_ms=ev.ttft_ms, total_ms=ev.total_ms),
+        stop_string=ev.stop_string,
+    )
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, engine: Engine, policy: PolicyStore, model: str, device: str, dtype: str) -> None:
+        self.engine, self.policy = engine, policy
+        self.model, self.device, self.dtype = model, device, dtype
+
+    async def GetStats(
+        self, request: admin_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetStatsResponse:
+        s = self.engine.stats
+        running, waiting = self.engine.counts()
+        server = admin_pb2.ServerStats(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            running_requests=running,
+            waiting_requests=waiting,
+            finished_requests=s.finished,
+            rejected_requests=s.rejected,
+            cancelled_requests=s.cancelled,
+            prompt_tokens=s.prompt_tokens,
+            generated_tokens=s.generated_tokens,
+            steps=s.steps,
+            max_running_requests=self.engine.config.max_running,
+        )
+        return admin_pb2.GetStatsResponse(server=server, policy=policy_to_pb(self.policy.get()))
+
+    async def GetPolicy(
+        self, request: admin_pb2.GetPolicyRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetPolicyResponse:
+        return admin_pb2.GetPolicyResponse(policy=policy_to_pb(self.policy.get()))
+
+    async def SetPolicy(
+        self, request: admin_pb2.SetPolicyRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.SetPolicyResponse:
+        p = request.policy
+        if p.mode not in _PB_TO_MODE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "policy.mode: must be AUTO, FIXED or OFF")
+        try:
+            new = self.policy.set(
+                SpeculationPolicy(
+                    mode=_PB_TO_MODE[p.mode],
+                    proposer=p.proposer.lower(),
+                    num_speculative_tokens=p.num_speculative_tokens,
+                    max_tree_nodes=p.max_tree_nodes,
+                )
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("speculation policy set to %s", new)
+        return admin_pb2.SetPolicyResponse(policy=policy_to_pb(new))
+
+
+def policy_to_pb(p: SpeculationPolicy) -> admin_pb2.SpeculationPolicy:
+    return admin_pb2.SpeculationPolicy(
+        mode=_MODE_TO_PB[p.mode],
+        proposer=p.proposer,
+        num_speculative_tokens=p.num_speculative_tokens,
+        max_tree_nodes=p.max_tree_nodes,
+    )
+
+
+def eos_token_ids(model: object, tokenizer: object) -> set[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for x in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(x, int):
+            ids.add(x)
+        elif isinstance(x, list | tuple):
+            ids.update(int(i) for i in x)
+    return ids
+
+
+async def run(config: VerifierConfig) -> None:
+    import torch
+
+    from specmesh.model_loading import load_model
+    from verifier_svc.model_runner import ModelRunner
+
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    t0 = time.perf_counter()
+    lm = load_model(config.model, config.device, config.dtype)
+    model_max = int(getattr(lm.model.config, "max_position_embeddings", 0) or 4096)
+    max_context = min(config.max_context or model_max, model_max)
+    print(
+        f"verifier: model {lm.name} from {lm.path} on {lm.device} ({lm.dtype}) in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context)
+    engine = Engine(runner, lm.tokenizer, eos_token_ids(lm.model, lm.tokenizer), max_context, config.engine)
+    engine.start()
+    names = tuple(name for name, _ in config.proposers)
+    limits = RequestLimits(max_context=max_context, vocab_size=runner.vocab_size, configured_proposers=names)
+    policy = PolicyStore(names)
+
+    server = new_server()
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+        GenerationServicer(engine, lm.tokenizer, limits, policy), server
+    )
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(
+        AdminServicer(engine, policy, lm.name, str(lm.device), str(lm.dtype).removeprefix("torch.")), server
+    )
+    services = [
+        generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+        admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+    ]
+
+    async def drain() -> None:
+        engine.stop_accepting()
+        deadline = time.monotonic() + config.grace_s
+        while engine.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    try:
+        await serve(server, config.address, services, on_drain=drain, grace_s=config.grace_s, ready_message="verifier")
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run(parse_args(argv)))
