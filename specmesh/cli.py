@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -32,6 +33,9 @@ def _serve(argv: list[str]) -> None:
         print("usage: specmesh serve {verifier} [service flags]  (specmesh serve verifier --help)")
         return
     service, rest = argv[0], argv[1:]
+    # Sleeping (not spinning) OpenMP workers leave the gRPC and engine threads a core on small
+    # machines: measured 9.5 → 10.9 tok/s single-stream on 2 cores. Must be set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if service == "verifier":
         from verifier_svc.server import main as verifier_main
 

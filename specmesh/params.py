@@ -110,11 +110,11 @@ def build_request(
             req.chat.messages.add(role="user", content=prompt)
         else:
             req.text = prompt
-    elif prompt and all(isinstance(t, int) for t in prompt):
+    elif not prompt:  # empty: the server answers INVALID_ARGUMENT naming the field
+        req.token_ids.SetInParent()
+    elif all(isinstance(t, int) for t in prompt):
         req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
-    elif prompt and all(isinstance(m, dict) for m in prompt):
+    else:
         for m in prompt:
             req.chat.messages.add(role=m["role"], content=m["content"])  # type: ignore[index]
-    else:  # empty: the server answers INVALID_ARGUMENT naming the field
-        req.text = ""
     return req

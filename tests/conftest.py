@@ -1,0 +1,134 @@
+"""Shared fixtures: the real default model, real verifier processes on loopback, real prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD = ROOT / "workloads" / "specbench_offline_dev.jsonl"
+
+
+def workload_prompts(per_category: int = 1, max_chars: int = 600) -> list[str]:
+    """First turns of the vendored Spec-Bench-like workload, a few per category, kept short."""
+    rows = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()]
+    picked: dict[str, list[str]] = {}
+    for row in rows:
+        turn = row["turns"][0]
+        if len(turn) <= max_chars and len(picked.setdefault(row["category"], [])) < per_category:
+            picked[row["category"]].append(turn)
+    return [p for prompts in picked.values() for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def lm():
+    """The default target model, loaded in the test process (reference outputs)."""
+    import torch
+
+    from specmesh.model_loading import load_model
+
+    torch.set_num_threads(2)
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def chat_ids(lm):
+    def encode(prompt: str) -> list[int]:
+        ids = lm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    return encode
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(lm):
+    """transformers generate(do_sample=False), cached per (prompt ids, max_new_tokens)."""
+    import torch
+
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def run(ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(ids), max_new_tokens)
+        if key not in cache:
+            with torch.inference_mode():
+                out = lm.model.generate(
+                    torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
+                )
+            cache[key] = out[0, len(ids) :].tolist()
+        return cache[key]
+
+    return run
+
+
+@dataclass
+class VerifierProcess:
+    address: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_verifier(tmp_path: Path, *args: str) -> VerifierProcess:
+    from specmesh.deploy import free_port, wait_healthy
+
+    address = f"127.0.0.1:{free_port()}"
+    log_path = tmp_path / f"verifier-{address.rsplit(':', 1)[1]}.log"
+    cmd = [sys.executable, "-m", "specmesh", "serve", "verifier", "--address", address, "--threads", "2", *args]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_healthy(address, 300, proc)
+    except Exception:
+        proc.kill()
+        raise AssertionError(f"verifier did not start:\n{log_path.read_text(errors='replace')[-3000:]}") from None
+    return VerifierProcess(address, proc, log_path)
+
+
+def stop_verifier(v: VerifierProcess) -> None:
+    if v.proc.poll() is None:
+        v.proc.terminate()
+        try:
+            v.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            v.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory, lm) -> Iterator[VerifierProcess]:
+    """One verifier process per test module (the model is converted before, by ``lm``)."""
+    v = start_verifier(tmp_path_factory.mktemp("verifier"))
+    yield v
+    stop_verifier(v)
+
+
+def assert_greedy_equal(lm, prompt_ids: list[int], got: list[int], want: list[int]) -> None:
+    """Token-identical, or the first difference is a genuine near-tie of the target.
+
+    Batched fp32 arithmetic may flip a tie; the top-2 logit margin at the first difference must
+    then be below 1e-4 of the logit scale. Anything else is a bug.
+    """
+    import torch
+
+    if got == want:
+        return
+    n = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    assert n < min(len(got), len(want)), f"length differs without a token difference: {len(got)} vs {len(want)}"
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([prompt_ids + want[:n]])).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    margin = float(top2[0] - top2[1])
+    scale = float(logits.abs().max())
+    assert margin < 1e-4 * scale, (
+        f"greedy mismatch at token {n}: got {got[n]}, want {want[n]}, top-2 margin {margin:.3g} (scale {scale:.3g})"
+    )

@@ -1,0 +1,23 @@
+"""The runtime speculation policy: validation and how a request's proposer is resolved."""
+
+import pytest
+
+from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
+
+
+def test_fixed_policy_needs_a_configured_proposer():
+    store = PolicyStore(("ngram",))
+    with pytest.raises(ValueError, match="policy.proposer"):
+        store.set(SpeculationPolicy(mode="fixed", proposer="draft"))
+    assert store.set(SpeculationPolicy(mode="fixed", proposer="ngram")).proposer == "ngram"
+    with pytest.raises(ValueError, match="policy.mode"):
+        store.set(SpeculationPolicy(mode="sometimes"))
+
+
+def test_request_choice_overrides_policy_and_auto_follows_it():
+    fixed = SpeculationPolicy(mode="fixed", proposer="rag")
+    assert resolve_proposer("none", fixed, ("rag",)).proposer == "none"
+    assert resolve_proposer("ngram", fixed, ("rag", "ngram")).proposer == "ngram"
+    assert resolve_proposer("auto", fixed, ("rag",)).proposer == "rag"
+    no_proposers = resolve_proposer("auto", SpeculationPolicy(), ())
+    assert no_proposers.proposer == "none" and "no proposer" in no_proposers.reason

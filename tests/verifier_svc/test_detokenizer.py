@@ -1,0 +1,47 @@
+"""Incremental detokenization with the real tokenizer: multi-byte text, spaces, stop strings."""
+
+import pytest
+
+from verifier_svc.detokenizer import IncrementalDetokenizer, StopStringFilter
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from specmesh.model_loading import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world! Ça va? 東京タワー 🚀🎉 naïve café",
+        "  leading spaces\n\ttabs and\r\nnewlines",
+        "def f(x):\n    return x**2",
+    ],
+)
+def test_token_by_token_pieces_concatenate_to_the_full_decode_without_broken_characters(tokenizer, text):
+    prompt = tokenizer.encode("Say something:")
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer.for_prompt(tokenizer, prompt)
+    pieces = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_stop_string_split_across_chunks_is_found_and_never_emitted():
+    f = StopStringFilter(["</answer>", "STOP"])
+    out = [f.push(x) for x in ["The answer is 42.</", "ans", "wer> trailing"]]
+    assert "".join(out) == "The answer is 42."
+    assert f.matched == "</answer>"
+    assert f.push("more") == ""
+
+
+def test_held_back_prefix_is_released_when_it_cannot_become_a_stop_string():
+    f = StopStringFilter(["STOP"])
+    assert f.push("ST") == ""
+    assert f.push("AR") == "STAR"
+    assert f.push("S") == ""
+    assert f.flush() == "S"

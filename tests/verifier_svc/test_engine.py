@@ -1,0 +1,101 @@
+"""The continuous-batching engine in process, on the real model: outputs equal plain greedy
+decoding while requests join, chunk their prefill, finish at different steps and get cancelled."""
+
+import threading
+import time
+
+import pytest
+from conftest import assert_greedy_equal, workload_prompts
+
+from verifier_svc.engine import Engine, EngineConfig, EngineFull, ErrorEvent, FinishEvent, TokenEvent
+from verifier_svc.model_runner import ModelRunner
+from verifier_svc.requests import GenerationRequest, SpecRequest
+
+pytestmark = pytest.mark.slow
+NO_SPEC = SpecRequest("none", 0, 0, "", "")
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish: FinishEvent | None = None
+        self.done = threading.Event()
+
+    def __call__(self, ev) -> None:
+        if isinstance(ev, TokenEvent):
+            self.tokens += ev.token_ids
+            self.text += ev.text
+        else:
+            assert not isinstance(ev, ErrorEvent), ev.message
+            self.finish = ev
+            self.done.set()
+
+
+def _request(rid: str, ids: list[int], max_tokens: int, **kw) -> GenerationRequest:
+    args = dict(temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(), ignore_eos=False) | kw
+    return GenerationRequest(rid, ids, max_tokens=max_tokens, spec=NO_SPEC, **args)
+
+
+@pytest.fixture
+def engine_factory(lm):
+    engines = []
+
+    def make(**cfg) -> Engine:
+        runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context=8192)
+        eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(**cfg))
+        eng.start()
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.shutdown()
+
+
+def test_staggered_joins_chunked_prefill_and_early_finishers_match_greedy(lm, chat_ids, hf_greedy, engine_factory):
+    eng = engine_factory(prefill_chunk_tokens=48)  # forces chunked prefill and single-row prefills
+    prompts = [chat_ids(p) for p in workload_prompts(per_category=1, max_chars=1500)][:6]
+    max_tokens = [20, 7, 16, 3, 20, 11]
+    results = [Collector() for _ in prompts]
+    for i, (ids, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+        eng.submit(_request(f"r{i}", ids, n), results[i])
+        time.sleep(0.15 * (i % 3))  # some join while others decode
+    for r in results:
+        assert r.done.wait(120)
+    for ids, n, r in zip(prompts, max_tokens, results, strict=True):
+        assert_greedy_equal(lm, ids, r.tokens, hf_greedy(ids, n))
+        assert r.finish.completion_tokens == len(r.tokens)
+    assert eng.in_flight() == 0 and eng.counts() == (0, 0)
+
+
+def test_cancel_mid_stream_frees_the_slot_and_others_are_unaffected(lm, chat_ids, hf_greedy, engine_factory):
+    eng = engine_factory()
+    ids = [chat_ids(p) for p in ("Count from one to fifty in words.", "Name the planets.", "Why is the sky blue?")]
+    victim, others = Collector(), [Collector(), Collector()]
+    eng.submit(_request("victim", ids[0], 200, ignore_eos=True), victim)
+    for i, c in enumerate(others):
+        eng.submit(_request(f"o{i}", ids[i + 1], 24), c)
+    while len(victim.tokens) < 5:
+        time.sleep(0.02)
+    eng.cancel("victim")
+    for c in others:
+        assert c.done.wait(120)
+    assert not victim.done.is_set() and len(victim.tokens) < 200
+    for i, c in enumerate(others):
+        assert_greedy_equal(lm, ids[i + 1], c.tokens, hf_greedy(ids[i + 1], 24))
+    assert eng.stats.cancelled == 1 and eng.in_flight() == 0
+
+
+def test_admission_limit_raises_and_stop_strings_end_generation(chat_ids, engine_factory):
+    eng = engine_factory(max_running=1, max_waiting=1)
+    ids = chat_ids("Write the numbers 1 to 30 separated by commas.")
+    a, b = Collector(), Collector()
+    eng.submit(_request("a", ids, 60, stop=("5",)), a)
+    eng.submit(_request("b", ids, 4), b)
+    with pytest.raises(EngineFull):
+        eng.submit(_request("c", ids, 4), Collector())
+    assert a.done.wait(120) and b.done.wait(120)
+    assert a.finish.finish_reason == "stop" and a.finish.stop_string == "5"
+    assert "5" not in a.text and a.text  # text before the stop string only
+    assert b.finish.finish_reason == "length" and len(b.tokens) == 4

@@ -1,0 +1,219 @@
+"""The verifier as a real gRPC process: greedy equality with transformers, concurrency and
+cancellation, input validation, admission limits, health, reflection, admin and SIGTERM drain."""
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from conftest import assert_greedy_equal, start_verifier, stop_verifier, workload_prompts
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specmesh import Client, SamplingParams, SpecDecodeParams
+from specmesh.v1 import admin_pb2, generation_pb2, generation_pb2_grpc
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+@pytest.fixture(scope="module")
+def client(verifier):
+    with Client(verifier.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_ids):
+    texts = workload_prompts(per_category=1, max_chars=1500)[:8]
+    return [(t, chat_ids(t)) for t in texts]
+
+
+def test_greedy_single_stream_is_token_identical_to_transformers_generate(lm, client, prompts, hf_greedy):
+    for _, ids in prompts[:4]:
+        out = client.complete(ids, _greedy(32))
+        assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 32))
+        assert out.summary.completion_tokens == len(out.token_ids)
+
+
+def test_greedy_eight_concurrent_streams_are_token_identical(lm, client, prompts, hf_greedy):
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: client.complete(p[1], _greedy(32)), prompts))
+    for (_, ids), out in zip(prompts, outs, strict=True):
+        assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 32))
+
+
+def test_text_and_chat_inputs_stream_text_that_matches_the_tokens(lm, client, prompts):
+    text, ids = prompts[0]
+    chunks = list(stream := client.generate(text, _greedy(24), chat=True))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert stream.summary.prompt_tokens == len(ids)
+    assert "".join(c.text for c in chunks) == lm.tokenizer.decode(tokens, skip_special_tokens=True)
+    raw = client.complete("The capital of France is", _greedy(5))
+    assert raw.summary.finish_reason == "length" and len(raw.token_ids) == 5
+
+
+def test_sixteen_mixed_requests_complete_and_a_cancelled_one_frees_its_slot(lm, client, prompts, hf_greedy):
+    jobs = [(ids, 4 + 3 * i) for i, (_, ids) in enumerate(prompts * 2)][:15]
+    victim = client.generate(prompts[0][1], _greedy(300, ignore_eos=True))
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(client.complete, ids, _greedy(n)) for ids, n in jobs]
+        got = 0
+        for chunk in victim:
+            got += len(chunk.token_ids)
+            if got >= 3:
+                victim.cancel()
+                break
+        outs = [f.result(timeout=300) for f in futures]
+    for (ids, n), out in zip(jobs, outs, strict=True):
+        assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, n))
+    deadline = time.time() + 10
+    while (stats := client.stats().server).running_requests and time.time() < deadline:
+        time.sleep(0.1)
+    assert stats.running_requests == 0 and stats.waiting_requests == 0
+    assert stats.cancelled_requests >= 1
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({}, "input"),
+        ({"text": ""}, "input.text"),
+        ({"text": "word " * 9000}, "input.text"),
+        ({"text": "hi", "sampling": {"max_tokens": 0}}, "sampling.max_tokens"),
+        ({"text": "hi", "sampling": {"temperature": -1}}, "sampling.temperature"),
+        ({"text": "hi", "sampling": {"top_p": 0}}, "sampling.top_p"),
+        ({"text": "hi", "sampling": {"top_p": 1.01}}, "sampling.top_p"),
+        ({"text": "hi", "spec_decode": {"proposer": "eagle9"}}, "spec_decode.proposer"),
+    ],
+)
+def test_bad_input_gets_invalid_argument_naming_the_field_and_server_keeps_serving(
+    verifier, client, request_kwargs, field
+):
+    with grpc.insecure_channel(verifier.address) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generation_pb2.GenerateRequest(**request_kwargs)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field)
+    assert len(client.complete("Hello", _greedy(2)).token_ids) == 2
+
+
+def test_unconfigured_proposer_is_failed_precondition(client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.complete("hi", _greedy(2), SpecDecodeParams(proposer="ngram"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_seeded_sampling_is_reproducible_and_the_seed_matters(client, prompts):
+    ids = prompts[1][1]
+    a = client.complete(ids, SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=24))
+    b = client.complete(ids, SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=24))
+    c = client.complete(ids, SamplingParams(temperature=1.0, top_p=0.95, seed=12, max_tokens=24))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_sampled_first_tokens_follow_the_target_softmax_chi_square(lm, client, chat_ids):
+    import torch
+
+    ids = chat_ids("Name one random animal.")
+    temperature, n = 1.5, 400
+    with torch.inference_mode():
+        p = torch.softmax(lm.model(torch.tensor([ids])).logits[0, -1].float() / temperature, -1)
+    with ThreadPoolExecutor(16) as pool:
+        firsts = list(
+            pool.map(
+                lambda s: client.complete(ids, SamplingParams(temperature=temperature, seed=s, max_tokens=1)).token_ids[
+                    0
+                ],
+                range(n),
+            )
+        )
+    counts = torch.bincount(torch.tensor(firsts), minlength=p.numel()).double()
+    expected = p.double() * n
+    big = expected >= 5  # chi-square buckets: every token expected >= 5 times, the rest pooled
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    dof = int(big.sum())
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert dof >= 3, "prompt too peaked for a meaningful test"
+    # p = 0.001 critical value via Wilson-Hilferty
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    assert chi2 < crit, f"chi2 {chi2:.1f} over {dof} dof (critical {crit:.1f})"
+
+
+def test_health_and_reflection_answer_for_every_service(verifier):
+    with grpc.insecure_channel(verifier.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "specmesh.v1.GenerationService", "specmesh.v1.AdminService"):
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(service=name)).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in resp.list_services_response.service}
+    assert {"specmesh.v1.GenerationService", "specmesh.v1.AdminService", "grpc.health.v1.Health"} <= names
+
+
+def test_admin_switches_policy_at_runtime_and_reports_stats(client):
+    off = client.set_policy(admin_pb2.SpeculationPolicy(mode=admin_pb2.POLICY_MODE_OFF))
+    assert off.mode == admin_pb2.POLICY_MODE_OFF
+    out = client.complete("Hello", _greedy(3))
+    assert out.summary.speculation.fallback_reason == "speculation is off by the server policy"
+    with pytest.raises(grpc.RpcError) as err:
+        client.set_policy(admin_pb2.SpeculationPolicy(mode=admin_pb2.POLICY_MODE_FIXED, proposer="ngram"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    client.set_policy(admin_pb2.SpeculationPolicy(mode=admin_pb2.POLICY_MODE_AUTO))
+    stats = client.stats()
+    assert stats.server.generated_tokens > 0 and stats.server.model == "smollm2-135m-instruct"
+    assert stats.policy.mode == admin_pb2.POLICY_MODE_AUTO
+
+
+def test_too_many_concurrent_requests_get_resource_exhausted(tmp_path, lm):
+    v = start_verifier(tmp_path, "--max-running", "1", "--max-waiting", "1")
+    try:
+        with Client(v.address) as c:
+            long = [c.generate("Count to one hundred.", _greedy(200, ignore_eos=True), chat=True) for _ in range(2)]
+            next(iter(long[0]))
+            deadline = time.time() + 30
+            while time.time() < deadline:  # both admitted: one running, one waiting
+                server = c.stats().server
+                if server.running_requests + server.waiting_requests == 2:
+                    break
+                time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as err:
+                c.complete("hi", _greedy(2))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for s in long:
+                s.cancel()
+            time.sleep(0.5)
+            assert len(c.complete("hi", _greedy(2)).token_ids) == 2  # capacity is back
+    finally:
+        stop_verifier(v)
+
+
+def test_sigterm_drains_the_in_flight_request_then_exits(tmp_path, lm):
+    v = start_verifier(tmp_path)
+    with Client(v.address) as c:
+        stream = c.generate("Tell me a long story.", _greedy(48, ignore_eos=True), chat=True)
+        it = iter(stream)
+        tokens = list(next(it).token_ids)
+        v.proc.send_signal(signal.SIGTERM)
+        rest: list[int] = []
+        drained = threading.Thread(target=lambda: rest.extend(t for ch in it for t in ch.token_ids))
+        drained.start()
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as err:  # no new work once draining
+            c.complete("hi", _greedy(2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        drained.join(120)
+    assert len(tokens + rest) == 48 and stream.summary.finish_reason == "length"
+    assert v.proc.wait(60) == 0
