@@ -1,0 +1,1 @@
+"""Proposer services: each its own process speaking ``ProposerService.Propose``."""
