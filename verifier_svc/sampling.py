@@ -28,17 +28,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seeds: torch.Tensor, counters: torch.Tensor, salt: int = 0) -> torch.Tensor:
+def uniform(seeds: torch.Tensor, counters: torch.Tensor, salt: int | torch.Tensor = 0) -> torch.Tensor:
     """Deterministic uniforms in (0, 1), one per row, from 64-bit seeds and counters.
 
-    seeds, counters: int64 [b] → float64 [b]. Same inputs, same outputs, on any batch.
+    seeds, counters (and salt, if a tensor): int64 [b] → float64 [b]. Same inputs, same outputs,
+    on any batch.
 
     >>> s = torch.tensor([7, 7, 8]); c = torch.tensor([0, 1, 0])
     >>> u = uniform(s, c); bool(((u > 0) & (u < 1)).all()), bool(u[0] != u[1])
     (True, True)
     """
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    h = _mix32((counters & _M32) ^ _mix32(torch.full_like(seeds, salt & _M32)))
+    salt_t = salt & _M32 if isinstance(salt, torch.Tensor) else torch.full_like(seeds, salt & _M32)
+    h = _mix32((counters & _M32) ^ _mix32(salt_t))
     h = _mix32(h ^ lo)
     h = _mix32((h + 0x9E3779B9) & _M32 ^ hi)
     h = _mix32(h ^ _mix32(counters >> 32 & _M32))

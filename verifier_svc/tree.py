@@ -1,0 +1,105 @@
+"""Token trees as the verifier sees them: validation, depths, and the verification layout.
+
+A tree is parallel arrays in topological order; ``parents[i] < i``, ``-1`` for children of
+the root (the position right after the request's context).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: list[int]
+    parents: list[int]
+    # Per node (ids, probs): the sparse distribution the node was sampled from; None = deterministic.
+    dists: list[tuple[list[int], list[float]]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class InvalidTree(ValueError):
+    pass
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of each node, children of the root at depth 1.
+
+    >>> depths([-1, 0, 0, 1, -1])
+    [1, 2, 2, 3, 1]
+    """
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def validate_tree(tree: TokenTree, vocab_size: int, max_nodes: int, max_depth: int) -> list[int]:
+    """Raise InvalidTree saying what is wrong; return the node depths.
+
+    >>> validate_tree(TokenTree([5, 6], [-1, 0]), vocab_size=10, max_nodes=4, max_depth=4)
+    [1, 2]
+    >>> validate_tree(TokenTree([5, 6], [-1, 1]), 10, 4, 4)  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    ...
+    verifier_svc.tree.InvalidTree: node 1: parent 1 is not an earlier node
+    """
+    n = len(tree.tokens)
+    if len(tree.parents) != n:
+        raise InvalidTree(f"{n} tokens but {len(tree.parents)} parents")
+    if n > max_nodes:
+        raise InvalidTree(f"{n} nodes, limit {max_nodes}")
+    for i, (tok, par) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        if not -1 <= par < i:
+            raise InvalidTree(f"node {i}: parent {par} is not an earlier node")
+        if not 0 <= tok < vocab_size:
+            raise InvalidTree(f"node {i}: token {tok} outside the vocabulary [0, {vocab_size})")
+    d = depths(tree.parents)
+    if d and max(d) > max_depth:
+        raise InvalidTree(f"depth {max(d)}, limit {max_depth}")
+    if tree.dists is not None:
+        if len(tree.dists) != n:
+            raise InvalidTree(f"{len(tree.dists)} distributions for {n} nodes")
+        for i, (ids, probs) in enumerate(tree.dists):
+            if len(ids) != len(probs) or not ids:
+                raise InvalidTree(f"node {i}: distribution has {len(ids)} ids and {len(probs)} probs")
+            if any(not 0 <= t < vocab_size for t in ids) or len(set(ids)) != len(ids):
+                raise InvalidTree(f"node {i}: distribution ids must be distinct and inside the vocabulary")
+            if any(not (p >= 0 and math.isfinite(p)) for p in probs) or abs(sum(probs) - 1) > 1e-3:
+                raise InvalidTree(f"node {i}: distribution must be non-negative and sum to 1")
+            mass = dict(zip(ids, probs, strict=True)).get(tree.tokens[i], 0.0)
+            if mass <= 0:
+                raise InvalidTree(f"node {i}: token {tree.tokens[i]} has zero proposal probability")
+    return d
+
+
+def verification_layout(parents: list[int], prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and attention of [pending token, node 0, …, node n-1] over a cached prefix.
+
+    The pending token (the newest accepted token, not yet cached) sits at ``prefix_len``; node i
+    is written at ``prefix_len + 1 + i`` and takes position ``prefix_len + depth(i)``. Each new
+    token sees the whole prefix, the pending token, its ancestors and itself.
+    Returns positions int64 [n+1] and mask bool [n+1, prefix_len + n + 1].
+
+    >>> pos, mask = verification_layout([-1, 0, -1], prefix_len=2)
+    >>> pos.tolist()
+    [2, 3, 4, 3]
+    >>> mask.int().tolist()
+    [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 1]]
+    """
+    n = len(parents)
+    anc = torch.zeros(n + 1, n + 1, dtype=torch.bool)  # over [pending, nodes]
+    anc[:, 0] = True
+    for i, p in enumerate(parents):
+        row = i + 1
+        if p >= 0:
+            anc[row] = anc[p + 1]
+        anc[row, row] = True
+    mask = torch.cat([torch.ones(n + 1, prefix_len, dtype=torch.bool), anc], dim=1)
+    pos = torch.tensor([prefix_len] + [prefix_len + d for d in depths(parents)], dtype=torch.long)
+    return pos, mask
