@@ -27,6 +27,10 @@ class NgramIndex:
     tokens: list[int] = field(default_factory=list)
     table: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
 
+    @property
+    def context_length(self) -> int:
+        return len(self.tokens)
+
     def extend(self, new_tokens: list[int]) -> None:
         """Append tokens, indexing each n-gram that now ends at the new positions."""
         for tok in new_tokens:

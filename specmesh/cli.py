@@ -30,7 +30,7 @@ DEMO_CONCURRENT_PROMPTS = [
 
 def _serve(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: specmesh serve {verifier} [service flags]  (specmesh serve verifier --help)")
+        print("usage: specmesh serve {verifier,ngram} [service flags]  (e.g. specmesh serve verifier --help)")
         return
     service, rest = argv[0], argv[1:]
     # Sleeping (not spinning) OpenMP workers leave the gRPC and engine threads a core on small
@@ -40,8 +40,12 @@ def _serve(argv: list[str]) -> None:
         from verifier_svc.server import main as verifier_main
 
         verifier_main(rest)
+    elif service == "ngram":
+        from proposer_svc.server import main as ngram_main
+
+        ngram_main(rest)
     else:
-        sys.exit(f"specmesh serve: unknown service {service!r} (known: verifier)")
+        sys.exit(f"specmesh serve: unknown service {service!r} (known: verifier, ngram)")
 
 
 def _deployment(args: argparse.Namespace):

@@ -65,6 +65,7 @@ class DeploymentConfig:
     model: str | None = None
     verifier_address: str = "127.0.0.1:50051"
     verifier_threads: int = 0
+    ngram_address: str = "127.0.0.1:50061"  # "" = no n-gram proposer
     max_running: int = 32
     extra_verifier_args: tuple[str, ...] = ()
     run_dir: Path = field(default_factory=default_run_dir)
@@ -87,19 +88,22 @@ class LocalDeployment:
         self.config = config
         serve = [sys.executable, "-m", "specmesh", "serve"]
         verifier_args = ["--address", config.verifier_address, "--max-running", str(config.max_running)]
+        proposers = []
+        if config.ngram_address:
+            proposers.append(
+                Service("ngram", config.ngram_address, [*serve, "ngram", "--address", config.ngram_address])
+            )
+            verifier_args += ["--proposer", f"ngram={config.ngram_address}"]
         if config.model:
             verifier_args += ["--model", config.model]
         if config.verifier_threads:
             verifier_args += ["--threads", str(config.verifier_threads)]
-        self.services = [
-            Service(
-                "verifier", config.verifier_address, [*serve, "verifier", *verifier_args, *config.extra_verifier_args]
-            )
-        ]
+        verifier = [*serve, "verifier", *verifier_args, *config.extra_verifier_args]
+        self.services = [*proposers, Service("verifier", config.verifier_address, verifier)]
 
     @property
     def verifier_address(self) -> str:
-        return self.services[0].address
+        return self.services[-1].address
 
     def start(self) -> None:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)

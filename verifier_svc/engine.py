@@ -21,12 +21,16 @@ from typing import Any
 
 import torch
 
+from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.detokenizer import IncrementalDetokenizer, StopStringFilter
 from verifier_svc.model_runner import ModelRunner, causal_mask
+from verifier_svc.proposer_client import ProposerSession, wait_for_trees
 from verifier_svc.requests import GenerationRequest
-from verifier_svc.sampling import sample_next
+from verifier_svc.sampling import filter_logits, sample_next
+from verifier_svc.tree import TokenTree, verification_layout
 
 log = logging.getLogger(__name__)
+_EMPTY_TREE = TokenTree([], [])
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class EngineConfig:
     max_running: int = 32  # requests decoded together (batch slots)
     max_waiting: int = 64  # admitted but not yet running; beyond running + waiting → rejected
     prefill_chunk_tokens: int = 512  # tokens per prefill forward (long prompts are chunked)
+    proposer_wait_ms: float = 5.0  # per step, the longest wait for a request's tree
+    proposer_timeout_s: float = 2.0  # no tree for this long → speculation off for the request
 
 
 class EngineFull(Exception):
@@ -61,6 +67,13 @@ class FinishEvent:
     ttft_ms: float
     total_ms: float
     stop_string: str = ""
+    proposer: str = "none"
+    spec_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    proposer_wait_ms: float = 0.0
+    invalid_trees: int = 0
+    fallback_reason: str = ""
 
 
 @dataclass
@@ -86,6 +99,18 @@ class _Sequence:
     verify_s: float = 0.0
     prefill_start: float = 0.0
     first_token: float = 0.0
+    session: ProposerSession | None = None
+    proposer: str = "none"
+    fallback_reason: str = ""
+    spec_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    wait_s: float = 0.0
+    last_tree: float = 0.0
+
+    @property
+    def context_length(self) -> int:
+        return len(self.req.prompt_ids) + len(self.output)
 
     @property
     def pending(self) -> int:
@@ -105,6 +130,10 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    invalid_trees: int = 0
+    proposer_fallbacks: int = 0
 
 
 class Engine:
@@ -123,14 +152,20 @@ class Engine:
         self._lock = threading.Lock()
         self._accepting = True
         self._stop = threading.Event()
+        self.trees_arrived = threading.Condition()  # proposer sessions notify it
         self._thread = threading.Thread(target=self._loop, name="specmesh-engine", daemon=True)
 
     # --- public, any thread ---------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, req: GenerationRequest, sink: Callable[[Event], None]) -> None:
-        """Queue a request; its events go to ``sink`` (called from the engine thread)."""
+    def submit(
+        self, req: GenerationRequest, sink: Callable[[Event], None], session: ProposerSession | None = None
+    ) -> None:
+        """Queue a request; its events go to ``sink`` (called from the engine thread).
+
+        ``session``: the request's open proposer stream, or None for plain decoding.
+        """
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("server is shutting down")
@@ -145,6 +180,8 @@ class Engine:
             detok=IncrementalDetokenizer.for_prompt(self.tokenizer, req.prompt_ids),
             stopper=StopStringFilter(list(req.stop)),
             arrival=time.perf_counter(),
+            session=session,
+            proposer=session.name if session else "none",
         )
         self._inbox.put(("submit", seq))
 
@@ -264,28 +301,141 @@ class Engine:
         for i, tok in zip(finished, tokens, strict=True):
             seq = joining[i]
             seq.verify_s += elapsed
-            seq.first_token = time.perf_counter()
+            seq.first_token = seq.last_tree = time.perf_counter()
             self.stats.prompt_tokens += len(seq.req.prompt_ids)
             self._append(seq, [tok])
+            if seq.session is not None and not seq.done:
+                seq.session.advance([tok])  # the proposer's context must include the first token
 
     def _decode(self) -> None:
-        """One batched forward over the pending token of every prefilled request (slots 0..b-1)."""
+        """One batched forward over every prefilled request (slots 0..b-1): its pending token plus
+        the token tree its proposer sent, if any; then lossless acceptance per request."""
         seqs = [s for s in self._running if s.prefilled]
+        trees = self._collect_trees(seqs)
         dev = self.runner.device
-        input_ids = torch.tensor([[s.pending] for s in seqs], device=dev)  # [b, 1]
-        positions = torch.tensor([[s.length] for s in seqs], device=dev)  # [b, 1]
-        kv_len = int(positions.max()) + 1
+        width = 1 + max(len(t) for t in trees)
+        lengths = [s.length for s in seqs]
+        kv_len = max(lengths) + width
+        if width == 1:  # nobody speculates: the plain decode layout
+            input_ids = torch.tensor([[s.pending] for s in seqs], device=dev)  # [b, 1]
+            positions = torch.tensor([[n] for n in lengths], device=dev)  # [b, 1]
+            mask = causal_mask(positions, kv_len)
+            write_pos = positions
+        else:
+            input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+            offsets = torch.arange(width)
+            write_pos = torch.tensor(lengths)[:, None] + offsets[None, :]  # [b, width]: contiguous after the prefix
+            positions = write_pos.clone()
+            mask = torch.zeros(len(seqs), width, kv_len, dtype=torch.bool)
+            mask[:, :, 0] = True  # padding queries see one key (no all-masked rows)
+            for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+                n = len(tree) + 1
+                pos, m = verification_layout(tree.parents, seq.length)
+                input_ids[i, :n] = torch.tensor([seq.pending, *tree.tokens])
+                positions[i, :n] = pos
+                mask[i, :n, : m.shape[1]] = m
+            input_ids, positions, write_pos, mask = (x.to(dev) for x in (input_ids, positions, write_pos, mask))
         t0 = time.perf_counter()
-        hidden = self.runner.forward(slice(0, len(seqs)), input_ids, positions, causal_mask(positions, kv_len))
-        logits = self.runner.logits(hidden[:, -1])  # [b, vocab]
-        tokens = self._sample(seqs, logits)
+        hidden = self.runner.forward(slice(0, len(seqs)), input_ids, positions, mask, write_pos)  # [b, width, h]
+        counts = [len(t) + 1 for t in trees]
+        rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts)).to(dev)
+        cols = torch.cat([torch.arange(c) for c in counts]).to(dev)
+        logits = self.runner.logits(hidden[rows, cols])  # [sum(n_i + 1), vocab]: padding skipped
+        results = self._accept(seqs, trees, logits, counts)
         elapsed = time.perf_counter() - t0
         self.stats.steps += 1
-        for seq, tok in zip(seqs, tokens, strict=True):
-            seq.length += 1
+        for seq, tree, (path, bonus) in zip(seqs, trees, results, strict=True):
+            base = seq.length + 1  # cache slot of tree node 0
+            if path != list(range(len(path))):  # keep only the accepted nodes' KV, in path order
+                self.runner.cache.gather_positions(seq.slot, torch.tensor(path, device=dev) + base, base)
+            seq.length = base + len(path)
             seq.steps += 1
             seq.verify_s += elapsed
-            self._append(seq, [tok])
+            if len(tree):
+                seq.spec_steps += 1
+                seq.drafted += len(tree)
+                seq.accepted += len(path)
+                self.stats.drafted_tokens += len(tree)
+                self.stats.accepted_tokens += len(path)
+            before = len(seq.output)
+            self._append(seq, [tree.tokens[k] for k in path] + [bonus])
+            if seq.session is not None and not seq.done:
+                seq.session.advance(seq.output[before:])
+
+    def _collect_trees(self, seqs: list[_Sequence]) -> list[TokenTree]:
+        """Each request's tree for its current context; waits at most ``proposer_wait_ms`` for all."""
+        live = [s for s in seqs if s.session is not None]
+        for seq in live:
+            if seq.session.failed is not None:
+                self._drop_session(seq, seq.session.failed)
+        wanted = [(s.session, s.context_length) for s in seqs if s.session is not None]
+        waited = wait_for_trees(self.trees_arrived, wanted, self.config.proposer_wait_ms / 1e3) if wanted else 0.0
+        now = time.perf_counter()
+        trees = []
+        for seq in seqs:
+            tree = None
+            if seq.session is not None:
+                seq.wait_s += waited
+                tree = seq.session.take(seq.context_length)
+                if tree is not None:
+                    seq.last_tree = now
+                elif now - seq.last_tree > self.config.proposer_timeout_s:
+                    self._drop_session(
+                        seq, f"proposer {seq.proposer!r} sent no tree for {self.config.proposer_timeout_s} s"
+                    )
+            if tree is None or seq.length + 1 + len(tree) > self.max_context:
+                tree = _EMPTY_TREE
+            trees.append(tree)
+        return trees
+
+    def _drop_session(self, seq: _Sequence, reason: str) -> None:
+        seq.fallback_reason = reason
+        if seq.session is not None:
+            seq.session.fail(reason)
+            self.stats.proposer_fallbacks += 1
+        seq.session = None
+
+    def _accept(
+        self, seqs: list[_Sequence], trees: list[TokenTree], logits: torch.Tensor, counts: list[int]
+    ) -> list[tuple[list[int], int]]:
+        """(accepted node path, bonus token) per request, losslessly (see ``acceptance``)."""
+        argmax = logits.argmax(dim=-1).tolist()  # one host copy for every greedy decision
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        results: list[tuple[list[int], int] | None] = [None] * len(seqs)
+        sampled = [i for i, s in enumerate(seqs) if s.req.temperature > 0]
+        for i, tree in enumerate(trees):
+            if seqs[i].req.temperature == 0:
+                results[i] = greedy_accept(tree, argmax[starts[i] : starts[i + 1]])
+        if sampled:
+            dev = logits.device
+            idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sampled]).to(dev)
+            per_row = torch.tensor([counts[i] for i in sampled], device=dev)
+
+            def expand(values: list[float] | list[int]) -> torch.Tensor:
+                return torch.repeat_interleave(torch.tensor(values, device=dev), per_row)
+
+            req = [seqs[i].req for i in sampled]
+            filtered = filter_logits(
+                logits[idx],
+                expand([r.temperature for r in req]),
+                expand([r.top_p for r in req]),
+                expand([r.top_k for r in req]),
+            )
+            probs = torch.softmax(filtered, dim=-1)  # [sum over sampled rows, vocab]
+            shapes = [walk_shape(trees[i]) for i in sampled]
+            u = acceptance_uniforms(
+                torch.tensor([r.seed for r in req]),
+                torch.tensor([seqs[i].context_length for i in sampled]),
+                max(d for d, _ in shapes),
+                max(k for _, k in shapes),
+            )
+            offset = 0
+            for j, i in enumerate(sampled):
+                results[i] = sample_accept(trees[i], probs[offset : offset + counts[i]], u[j])
+                offset += counts[i]
+        return results  # type: ignore[return-value]
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[int]:
         dev = logits.device
@@ -322,6 +472,7 @@ class Engine:
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         now = time.perf_counter()
+        invalid = seq.session.invalid_trees if seq.session else 0
         seq.sink(
             FinishEvent(
                 finish_reason=reason,
@@ -333,6 +484,13 @@ class Engine:
                 ttft_ms=(seq.first_token - seq.arrival) * 1e3,
                 total_ms=(now - seq.arrival) * 1e3,
                 stop_string=seq.stopper.matched or "",
+                proposer=seq.proposer,
+                spec_steps=seq.spec_steps,
+                drafted=seq.drafted,
+                accepted=seq.accepted,
+                proposer_wait_ms=seq.wait_s * 1e3,
+                invalid_trees=invalid,
+                fallback_reason=seq.fallback_reason,
             )
         )
         seq.done = True
@@ -346,6 +504,9 @@ class Engine:
             self._release(seq)
 
     def _release(self, seq: _Sequence) -> None:
+        if seq.session is not None:
+            self.stats.invalid_trees += seq.session.invalid_trees
+            seq.session.close()
         self._by_id.pop(seq.req.request_id, None)
         with self._lock:
             self._admitted -= 1

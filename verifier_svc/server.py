@@ -10,11 +10,27 @@ from collections.abc import AsyncIterator
 import grpc
 
 from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
+from specmesh.model_loading import tokenizer_hash
 from specmesh.serving import new_server, serve
-from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc, params_pb2
+from specmesh.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    params_pb2,
+    proposer_pb2,
+    proposer_pb2_grpc,
+)
 from verifier_svc.config import VerifierConfig, parse_args
 from verifier_svc.engine import Engine, EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent
-from verifier_svc.requests import InvalidRequest, ProposerNotConfigured, RequestLimits, build_request
+from verifier_svc.proposer_client import ProposerLimits, ProposerSession
+from verifier_svc.requests import (
+    GenerationRequest,
+    InvalidRequest,
+    ProposerNotConfigured,
+    RequestLimits,
+    build_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +47,49 @@ _MODE_TO_PB = {
 _PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
 
 
+DEFAULT_TREE_NODES = 16
+DEFAULT_TREE_DEPTH = 12
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, engine: Engine, tokenizer: object, limits: RequestLimits, policy: PolicyStore) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: object,
+        limits: RequestLimits,
+        policy: PolicyStore,
+        proposers: dict[str, proposer_pb2_grpc.ProposerServiceStub],
+        vocab: proposer_pb2.VocabIdentity,
+        model_name: str,
+    ) -> None:
         self.engine, self.tokenizer, self.limits, self.policy = engine, tokenizer, limits, policy
+        self.proposers, self.vocab, self.model_name = proposers, vocab, model_name
+
+    def _open_session(self, req: GenerationRequest, proposer: str) -> ProposerSession:
+        policy = self.policy.get()
+        nodes = req.spec.max_tree_nodes or policy.max_tree_nodes or DEFAULT_TREE_NODES
+        depth = req.spec.num_speculative_tokens or policy.num_speculative_tokens or DEFAULT_TREE_DEPTH
+        if policy.num_speculative_tokens:
+            depth = min(depth, policy.num_speculative_tokens)
+        nodes = min(nodes, self.limits.max_tree_nodes)
+        start = proposer_pb2.ProposeStart(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_ids,
+            budget=proposer_pb2.TreeBudget(max_nodes=nodes, max_depth=depth),
+            sampling=proposer_pb2.ProposalSampling(
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed
+            ),
+            vocab=self.vocab,
+            target_model=self.model_name,
+            workload_tag=req.spec.workload_tag,
+            corpus=req.spec.corpus,
+        )
+        limits = ProposerLimits(vocab_size=self.limits.vocab_size, max_nodes=nodes, max_depth=depth)
+        session = ProposerSession(
+            proposer, self.proposers[proposer], asyncio.get_running_loop(), start, limits, self.engine.trees_arrived
+        )
+        session.open()
+        return session
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -47,11 +103,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         choice = resolve_proposer(req.spec.proposer, self.policy.get(), self.limits.configured_proposers)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
+        session = self._open_session(req, choice.proposer) if choice.proposer in self.proposers else None
         try:
-            self.engine.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        except EngineFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many concurrent requests: {exc}")
-        except EngineStopped as exc:
+            self.engine.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), session)
+        except (EngineFull, EngineStopped) as exc:
+            if session is not None:
+                session.close()
+            if isinstance(exc, EngineFull):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many concurrent requests: {exc}")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finished = False
         try:
@@ -75,14 +134,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
 def _summary(ev: FinishEvent, fallback_reason: str) -> generation_pb2.GenerationSummary:
     emitted_after_prefill = max(ev.completion_tokens - 1, 0)
+    per_proposer = {}
+    if ev.proposer != "none":
+        per_proposer[ev.proposer] = params_pb2.ProposerMetrics(
+            steps=ev.spec_steps, drafted_tokens=ev.drafted, accepted_tokens=ev.accepted
+        )
     return generation_pb2.GenerationSummary(
         finish_reason=_FINISH[ev.finish_reason],
         usage=generation_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
         speculation=params_pb2.SpeculationMetrics(
             steps=ev.steps,
+            drafted_tokens=ev.drafted,
+            accepted_tokens=ev.accepted,
+            # tokens emitted per verification step (accepted + bonus)
             mean_accepted_length=emitted_after_prefill / ev.steps if ev.steps else 0.0,
+            per_proposer=per_proposer,
+            proposer_wait_ms=ev.proposer_wait_ms,
             verify_ms=ev.verify_ms,
-            fallback_reason=fallback_reason,
+            fallback_reason=ev.fallback_reason or fallback_reason,
+            invalid_trees=ev.invalid_trees,
         ),
         timing=generation_pb2.Timing(queue_ms=ev.queue_ms, time_to_first_token_ms=ev.ttft_ms, total_ms=ev.total_ms),
         stop_string=ev.stop_string,
@@ -184,9 +254,20 @@ async def run(config: VerifierConfig) -> None:
     limits = RequestLimits(max_context=max_context, vocab_size=runner.vocab_size, configured_proposers=names)
     policy = PolicyStore(names)
 
+    # One channel per proposer tier; dns:/// names of headless services balance across replicas.
+    channels = {
+        name: grpc.aio.insecure_channel(addr, options=[("grpc.lb_policy_name", "round_robin")])
+        for name, addr in config.proposers
+    }
+    stubs = {name: proposer_pb2_grpc.ProposerServiceStub(ch) for name, ch in channels.items()}
+    vocab = proposer_pb2.VocabIdentity(
+        vocab_size=runner.vocab_size,
+        tokenizer_hash=tokenizer_hash(lm.tokenizer),
+        eos_token_ids=sorted(eos_token_ids(lm.model, lm.tokenizer)),
+    )
     server = new_server()
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(engine, lm.tokenizer, limits, policy), server
+        GenerationServicer(engine, lm.tokenizer, limits, policy, stubs, vocab, lm.name), server
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(engine, policy, lm.name, str(lm.device), str(lm.dtype).removeprefix("torch.")), server

@@ -1,0 +1,144 @@
+"""The verifier's side of one request's ``ProposerService.Propose`` stream.
+
+I/O runs on the asyncio loop; the engine thread only calls the thread-safe methods
+(``take``, ``advance``, ``close``, ``fail``). Trees are validated as they arrive, so the engine
+never sees a malformed one; a stream that errors, ends or falls silent marks the session
+failed with a reason, and the request goes on without speculation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+from verifier_svc.tree import InvalidTree, TokenTree, validate_tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProposerLimits:
+    vocab_size: int
+    max_nodes: int
+    max_depth: int
+
+
+class ProposerSession:
+    def __init__(
+        self,
+        name: str,
+        stub: proposer_pb2_grpc.ProposerServiceStub,
+        loop: asyncio.AbstractEventLoop,
+        start: proposer_pb2.ProposeStart,
+        limits: ProposerLimits,
+        arrived: threading.Condition,
+    ) -> None:
+        self.name, self.stub, self.loop, self.limits = name, stub, loop, limits
+        self._start = start
+        self._outbox: asyncio.Queue[proposer_pb2.ProposeRequest | None] = asyncio.Queue()
+        self._arrived = arrived  # shared with the engine: notified whenever a tree lands
+        self._tree: tuple[int, TokenTree] | None = None
+        self.failed: str | None = None
+        self.invalid_trees = 0
+        self.last_invalid = ""
+        self._task: asyncio.Task | None = None
+
+    # --- asyncio side ---------------------------------------------------------------------
+    def open(self) -> None:
+        """Start the stream (call on the loop)."""
+        self._outbox.put_nowait(proposer_pb2.ProposeRequest(start=self._start))
+        self._task = self.loop.create_task(self._run())
+
+    async def _requests(self) -> AsyncIterator[proposer_pb2.ProposeRequest]:
+        while (msg := await self._outbox.get()) is not None:
+            yield msg
+
+    async def _run(self) -> None:
+        call = self.stub.Propose(self._requests())
+        try:
+            async for resp in call:
+                self._receive(resp)
+            if self.failed is None and not self._closed():
+                self.fail("proposer ended the stream")
+        except asyncio.CancelledError:
+            call.cancel()
+        except grpc.aio.AioRpcError as exc:
+            if not self._closed():
+                self.fail(f"{exc.code().name}: {exc.details()}")
+
+    def _closed(self) -> bool:
+        return self.failed is not None or getattr(self, "_ended", False)
+
+    def _receive(self, resp: proposer_pb2.ProposeResponse) -> None:
+        t = resp.tree
+        dists = [(list(d.ids), list(d.probs)) for d in t.distributions] if t.distributions else None
+        tree = TokenTree(list(t.tokens), list(t.parents), dists)
+        try:
+            validate_tree(tree, self.limits.vocab_size, self.limits.max_nodes, self.limits.max_depth)
+        except InvalidTree as exc:
+            self.invalid_trees += 1
+            self.last_invalid = str(exc)
+            log.warning("proposer %s sent an invalid tree: %s", self.name, exc)
+            tree = TokenTree([], [])  # answered, but nothing usable this step
+        with self._arrived:
+            self._tree = (resp.context_length, tree)
+            self._arrived.notify_all()
+
+    # --- engine thread --------------------------------------------------------------------
+    def take(self, context_length: int) -> TokenTree | None:
+        """The tree for exactly this context, if it has arrived (consumed)."""
+        with self._arrived:
+            if self._tree is None or self._tree[0] != context_length:
+                return None
+            tree, self._tree = self._tree[1], None
+            return tree
+
+    def has_tree_for(self, context_length: int) -> bool:
+        got = self._tree
+        return got is not None and got[0] == context_length
+
+    def advance(self, tokens: list[int]) -> None:
+        msg = proposer_pb2.ProposeRequest(advance=proposer_pb2.ProposeAdvance(accepted_token_ids=tokens))
+        self.loop.call_soon_threadsafe(self._outbox.put_nowait, msg)
+
+    def fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = f"proposer {self.name!r} failed: {reason}"
+            log.warning("%s; request continues without speculation", self.failed)
+        self.close()
+
+    def close(self) -> None:
+        if getattr(self, "_ended", False):
+            return
+        self._ended = True
+
+        def _end() -> None:
+            self._outbox.put_nowait(proposer_pb2.ProposeRequest(end=proposer_pb2.ProposeEnd()))
+            self._outbox.put_nowait(None)
+
+        self.loop.call_soon_threadsafe(_end)
+
+
+def wait_for_trees(arrived: threading.Condition, wanted: list[tuple[ProposerSession, int]], budget_s: float) -> float:
+    """Block until every session has its tree for the given context, or ``budget_s`` passes.
+
+    Returns the seconds waited. Never waits on a failed session.
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + budget_s
+    with arrived:
+        while True:
+            if all(s.failed is not None or s.has_tree_for(n) for s, n in wanted):
+                break
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            arrived.wait(left)
+    return time.perf_counter() - t0
