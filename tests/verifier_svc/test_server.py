@@ -124,7 +124,7 @@ def test_sampled_first_tokens_follow_the_target_softmax_chi_square(lm, client, c
     import torch
 
     ids = chat_ids("Name one random animal.")
-    temperature, n = 1.5, 400
+    temperature, n = 1.5, 300
     with torch.inference_mode():
         p = torch.softmax(lm.model(torch.tensor([ids])).logits[0, -1].float() / temperature, -1)
     with ThreadPoolExecutor(16) as pool:

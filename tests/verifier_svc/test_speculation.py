@@ -1,0 +1,179 @@
+"""Speculative decoding through the services: the n-gram proposer as its own process, output
+identical to plain greedy decoding, sampling distributed as the target, and proposers that
+die or lie never corrupt or stall a request."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+import grpc
+import pytest
+from conftest import assert_greedy_equal, start_verifier, stop_verifier, workload_prompts
+
+from specmesh import Client, SamplingParams, SpecDecodeParams
+from specmesh.deploy import free_port, wait_healthy
+from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+
+pytestmark = pytest.mark.slow
+NGRAM = SpecDecodeParams(proposer="ngram")
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+def start_ngram() -> tuple[str, subprocess.Popen]:
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "specmesh", "serve", "ngram", "--address", address]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_healthy(address, 60, proc)
+    return address, proc
+
+
+@pytest.fixture(scope="module")
+def spec_verifier(tmp_path_factory, lm):
+    address, ngram = start_ngram()
+    v = start_verifier(tmp_path_factory.mktemp("spec"), "--proposer", f"ngram={address}")
+    yield v
+    stop_verifier(v)
+    ngram.terminate()
+    ngram.wait(30)
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_ids):
+    texts = workload_prompts(per_category=3, max_chars=2000)
+    assert len(texts) >= 20
+    return [chat_ids(t) for t in texts]
+
+
+def test_greedy_with_ngram_is_token_identical_on_workload_prompts_at_batch_one(lm, spec_verifier, prompts, hf_greedy):
+    drafted = accepted = 0
+    with Client(spec_verifier.address) as c:
+        for ids in prompts:
+            out = c.complete(ids, _greedy(24), NGRAM)
+            assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 24))
+            m = out.summary.speculation
+            assert not m.fallback_reason and m.per_proposer["ngram"].drafted_tokens == m.drafted_tokens
+            drafted += m.drafted_tokens
+            accepted += m.accepted_tokens
+    assert drafted > 0 and accepted > 0  # speculation really happened
+
+
+def test_greedy_with_ngram_is_token_identical_with_eight_concurrent_requests(lm, spec_verifier, prompts, hf_greedy):
+    with Client(spec_verifier.address) as c, ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda ids: c.complete(ids, _greedy(24), NGRAM), prompts))
+    for ids, out in zip(prompts, outs, strict=True):
+        assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 24))
+
+
+def _second_token_counts(client: Client, ids: list[int], spec: SpecDecodeParams, n: int, temperature: float):
+    """Sample 2 tokens n times; the second one is decided by a verification step (with a tree when on)."""
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=2, ignore_eos=True) for s in range(n)]
+    with ThreadPoolExecutor(32) as pool:
+        outs = list(pool.map(lambda p: client.complete(ids, p, spec), params))
+    return [tuple(o.token_ids) for o in outs], sum(o.summary.speculation.drafted_tokens for o in outs)
+
+
+def test_sampled_tokens_with_ngram_on_and_off_follow_the_target_softmax_chi_square(lm, spec_verifier):
+    import torch
+
+    # A repetitive raw prompt: after the first sampled token the n-gram proposer has matches.
+    ids = lm.tokenizer.encode("red green blue, red green blue, red green blue, red green blue, red green")
+    temperature = 1.0
+    with torch.inference_mode():
+        first = torch.softmax(lm.model(torch.tensor([ids])).logits[0, -1].float() / temperature, -1)
+    mode = int(first.argmax())
+    with torch.inference_mode():
+        p = torch.softmax(lm.model(torch.tensor([[*ids, mode]])).logits[0, -1].float() / temperature, -1)
+    with Client(spec_verifier.address) as c:
+        for spec, n in ((NGRAM, 2000), (SpecDecodeParams(proposer="none"), 500)):
+            pairs, drafted = _second_token_counts(c, ids, spec, n, temperature)
+            seconds = torch.tensor([b for a, b in pairs if a == mode])
+            assert len(seconds) > n // 8, "first token too spread for the conditional test"
+            if spec is NGRAM:
+                assert drafted > 0
+            counts = torch.bincount(seconds, minlength=p.numel()).double()
+            expected = p.double() * len(seconds)
+            big = expected >= 5
+            obs = torch.cat([counts[big], counts[~big].sum()[None]])
+            exp = torch.cat([expected[big], expected[~big].sum()[None]])
+            dof = int(big.sum())
+            chi2 = float(((obs - exp) ** 2 / exp).sum())
+            crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # p = 0.001
+            assert chi2 < crit, f"{spec.proposer}: chi2 {chi2:.1f} over {dof} dof (critical {crit:.1f})"
+
+
+def test_proposer_killed_mid_request_completes_with_the_same_greedy_output(tmp_path, lm, prompts, hf_greedy):
+    address, ngram = start_ngram()
+    v = start_verifier(tmp_path, "--proposer", f"ngram={address}")
+    try:
+        ids = prompts[-1]
+        with Client(v.address) as c:
+            stream = c.generate(ids, _greedy(48, ignore_eos=True), NGRAM)
+            tokens: list[int] = []
+            for chunk in stream:
+                tokens += chunk.token_ids
+                if len(tokens) >= 4 and ngram.poll() is None:
+                    os.kill(ngram.pid, signal.SIGKILL)
+            assert_greedy_equal(lm, ids, tokens, hf_greedy(ids, 48))
+            assert "ngram" in stream.summary.speculation.fallback_reason
+            after = c.complete(ids, _greedy(8), NGRAM)  # a new request with the tier down: plain decoding
+            assert after.token_ids == hf_greedy(ids, 48)[:8] and after.summary.speculation.fallback_reason
+    finally:
+        ngram.kill()
+        stop_verifier(v)
+
+
+class LyingProposer(proposer_pb2_grpc.ProposerServiceServicer):
+    """Sends, in turn: a cycle, out-of-vocabulary tokens, an oversized tree, mismatched arrays,
+    then well-formed but wrong guesses."""
+
+    BAD: ClassVar[list[proposer_pb2.TokenTree]] = [
+        proposer_pb2.TokenTree(tokens=[5, 6], parents=[1, 0]),
+        proposer_pb2.TokenTree(tokens=[10**7], parents=[-1]),
+        proposer_pb2.TokenTree(tokens=[5] * 500, parents=[-1] * 500),
+        proposer_pb2.TokenTree(tokens=[5, 6], parents=[-1]),
+    ]
+
+    def Propose(self, request_iterator, context):
+        context_len = 0
+        for i, msg in enumerate(request_iterator):
+            kind = msg.WhichOneof("event")
+            if kind == "start":
+                context_len = len(msg.start.prompt_token_ids)
+            elif kind == "advance":
+                context_len += len(msg.advance.accepted_token_ids)
+            else:
+                return
+            tree = (
+                self.BAD[i] if i < len(self.BAD) else proposer_pb2.TokenTree(tokens=[17, 18, 19], parents=[-1, 0, -1])
+            )
+            yield proposer_pb2.ProposeResponse(context_length=context_len, tree=tree)
+
+
+def test_malformed_trees_are_rejected_counted_and_the_request_completes_correctly(tmp_path, lm, prompts, hf_greedy):
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    proposer_pb2_grpc.add_ProposerServiceServicer_to_server(LyingProposer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    v = start_verifier(tmp_path, "--proposer", f"liar=127.0.0.1:{port}")
+    try:
+        ids = prompts[0]
+        with Client(v.address) as c:
+            out = c.complete(ids, _greedy(24), SpecDecodeParams(proposer="liar"))
+            stats = c.stats()
+        assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 24))
+        m = out.summary.speculation
+        assert m.invalid_trees >= 4 and m.drafted_tokens > 0  # the bad ones dropped, the wrong ones verified
+        deadline = time.time() + 5
+        while stats.server.running_requests and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop_verifier(v)
+        server.stop(0)
