@@ -15,7 +15,23 @@ import grpc
 from specmesh.client import DEFAULT_ADDRESS, Client
 from specmesh.params import SamplingParams, SpecDecodeParams
 
-DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain how it works."
+# An edit task: the answer copies most of the input, where prompt lookup shines.
+DEMO_PROMPT = """Rename the variable `total` to `running_sum` in this function and output the whole function.
+
+```python
+def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            averages.append(total / window)
+    return averages
+```"""
 DEMO_CONCURRENT_PROMPTS = [
     "What is the capital of France?",
     "Give three tips for writing clean code.",
@@ -173,13 +189,22 @@ def _demo(args: argparse.Namespace) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     dep = _deployment(args)
-    print("specmesh demo: starting the services…", flush=True)
+    print("specmesh demo: starting the services (n-gram proposer + verifier)…", flush=True)
     dep.start()
     try:
         with Client(dep.verifier_address) as client:
             greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-            print(f"\n>>> {DEMO_PROMPT}\n", flush=True)
-            single = _stream_one(client, DEMO_PROMPT, greedy, SpecDecodeParams(proposer="none"), chat=True)
+            print(f"\n>>> {DEMO_PROMPT.splitlines()[0]} …\n", flush=True)
+            fast = _stream_one(client, DEMO_PROMPT, greedy, SpecDecodeParams(proposer="ngram"), chat=True)
+            t0 = time.perf_counter()
+            plain = client.complete(DEMO_PROMPT, greedy, SpecDecodeParams(proposer="none"), chat=True)
+            plain_tps = len(plain.token_ids) / (time.perf_counter() - t0)
+            same = client.complete(DEMO_PROMPT, greedy, SpecDecodeParams(proposer="ngram"), chat=True)
+            print(
+                f"\nspeculative (n-gram): {fast:.1f} tok/s | plain decoding: {plain_tps:.1f} tok/s | "
+                f"speed-up {fast / max(plain_tps, 1e-9):.2f}x | output identical: {same.token_ids == plain.token_ids}",
+                flush=True,
+            )
 
             print(f"\n>>> {len(DEMO_CONCURRENT_PROMPTS)} concurrent streams (continuous batching)…", flush=True)
             short = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -189,11 +214,7 @@ def _demo(args: argparse.Namespace) -> None:
             elapsed = time.perf_counter() - t0
             total = sum(len(r.token_ids) for r in results)
             print(f"    first answer: {results[0].text.strip()[:100]!r}")
-            print(
-                f"\nsingle stream: {single:.1f} tok/s | {len(results)} streams: {total / elapsed:.1f} tok/s aggregate "
-                f"({total / elapsed / max(single, 1e-9):.1f}x)",
-                flush=True,
-            )
+            print(f"    {len(results)} streams: {total / elapsed:.1f} tok/s aggregate", flush=True)
     finally:
         dep.stop()
         print("specmesh demo: services stopped.", flush=True)
@@ -248,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="start the services, stream answers, print tokens/s, stop")
     _add_deploy_flags(demo)
-    demo.add_argument("--max-tokens", type=int, default=128)
+    demo.add_argument("--max-tokens", type=int, default=160)
     return parser
 
 

@@ -16,11 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "workloads" / "specbench_offline_dev.jsonl"
 
 
-def workload_prompts(per_category: int = 1, max_chars: int = 600) -> list[str]:
+def workload_prompts(per_category: int = 1, max_chars: int = 600, categories: tuple[str, ...] = ()) -> list[str]:
     """First turns of the vendored Spec-Bench-like workload, a few per category, kept short."""
     rows = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()]
     picked: dict[str, list[str]] = {}
     for row in rows:
+        if categories and row["category"] not in categories:
+            continue
         turn = row["turns"][0]
         if len(turn) <= max_chars and len(picked.setdefault(row["category"], [])) < per_category:
             picked[row["category"]].append(turn)

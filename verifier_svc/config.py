@@ -19,6 +19,7 @@ class VerifierConfig:
     max_context: int = 0  # 0 = the model's max_position_embeddings
     proposers: tuple[tuple[str, str], ...] = ()  # (name, address)
     grace_s: float = 30.0
+    spec_gating: str = "cost"  # "cost": speculate where the measured step cost says it pays; "always"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -44,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         metavar="NAME=ADDRESS",
         help="a proposer service, e.g. ngram=127.0.0.1:50061 (repeatable)",
     )
+    p.add_argument(
+        "--spec-gating",
+        choices=["cost", "always"],
+        default=_env("SPEC_GATING", "cost"),
+        help="cost: verify trees only where expected goodput beats plain decoding (profiled at start-up); "
+        "always: verify every tree",
+    )
     p.add_argument("--grace", type=float, default=float(_env("GRACE_S", "30")), help="drain seconds on SIGTERM")
     a = p.parse_args(argv)
     proposers = []
@@ -61,5 +69,6 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         max_context=a.max_context,
         proposers=tuple(proposers),
         grace_s=a.grace,
+        spec_gating=a.spec_gating,
         engine=EngineConfig(max_running=a.max_running, max_waiting=a.max_waiting, prefill_chunk_tokens=a.prefill_chunk),
     )

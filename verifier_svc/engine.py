@@ -21,16 +21,18 @@ from typing import Any
 
 import torch
 
+from router.cost_model import StepCost, choose_width
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.detokenizer import IncrementalDetokenizer, StopStringFilter
 from verifier_svc.model_runner import ModelRunner, causal_mask
 from verifier_svc.proposer_client import ProposerSession, wait_for_trees
 from verifier_svc.requests import GenerationRequest
 from verifier_svc.sampling import filter_logits, sample_next
-from verifier_svc.tree import TokenTree, verification_layout
+from verifier_svc.tree import TokenTree, depths, truncate, verification_layout
 
 log = logging.getLogger(__name__)
 _EMPTY_TREE = TokenTree([], [])
+_EWMA = 0.3  # weight of the newest step in a request's acceptance estimate
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,10 @@ class _Sequence:
     accepted: int = 0
     wait_s: float = 0.0
     last_tree: float = 0.0
+    # Accepted tokens per speculative step (EWMA), from verified trees and from trees skipped
+    # this step whose would-be acceptance is read off the tokens emitted after them.
+    accept_ewma: float = 1.0
+    shadow: tuple[TokenTree, int, int] | None = None  # (skipped tree, current index, matched)
 
     @property
     def context_length(self) -> int:
@@ -138,9 +144,16 @@ class EngineStats:
 
 class Engine:
     def __init__(
-        self, runner: ModelRunner, tokenizer: Any, eos_token_ids: set[int], max_context: int, config: EngineConfig
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        max_context: int,
+        config: EngineConfig,
+        step_cost: StepCost | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
+        self.step_cost = step_cost  # None: verify every tree; else speculate only where it pays
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
         self.stats = EngineStats()
@@ -357,8 +370,13 @@ class Engine:
                 seq.accepted += len(path)
                 self.stats.drafted_tokens += len(tree)
                 self.stats.accepted_tokens += len(path)
+                self._observe(seq, len(path))
+                seq.shadow = None
             before = len(seq.output)
-            self._append(seq, [tree.tokens[k] for k in path] + [bonus])
+            emitted = [tree.tokens[k] for k in path] + [bonus]
+            if seq.shadow is not None and not len(tree):
+                self._follow_shadow(seq, emitted)
+            self._append(seq, emitted)
             if seq.session is not None and not seq.done:
                 seq.session.advance(seq.output[before:])
 
@@ -386,7 +404,53 @@ class Engine:
             if tree is None or seq.length + 1 + len(tree) > self.max_context:
                 tree = _EMPTY_TREE
             trees.append(tree)
+        if self.step_cost is not None and any(trees):
+            trees = self._gate(seqs, trees)
         return trees
+
+    def _gate(self, seqs: list[_Sequence], trees: list[TokenTree]) -> list[TokenTree]:
+        """Cut every tree to the batch's best step width (maybe 1: no speculation this step).
+
+        Expected acceptance per row: a geometric model whose per-token rate α matches the
+        request's accepted-per-step EWMA a (a = α / (1 − α)), over the depth the cut tree reaches.
+        """
+        expected = []
+        for seq, tree in zip(seqs, trees, strict=True):
+            a = seq.accept_ewma
+            alpha = a / (1 + a)
+            reach, e = 0, [0.0]
+            for d in depths(tree.parents):
+                reach = max(reach, d)
+                e.append(alpha * (1 - alpha**reach) / (1 - alpha))
+            expected.append(e)
+        width = choose_width(expected, self.step_cost)
+        out = []
+        for seq, tree in zip(seqs, trees, strict=True):
+            if len(tree) > width - 1:
+                if width == 1 and seq.shadow is None:
+                    seq.shadow = (tree, 0, 0)
+                tree = truncate(tree, width - 1)
+            out.append(tree)
+        return out
+
+    @staticmethod
+    def _observe(seq: _Sequence, accepted: int) -> None:
+        seq.accept_ewma += _EWMA * (accepted - seq.accept_ewma)
+
+    def _follow_shadow(self, seq: _Sequence, emitted: list[int]) -> None:
+        """Walk a skipped tree along the emitted tokens; its would-be acceptance updates the EWMA."""
+        tree, node, matched = seq.shadow
+        for tok in emitted:
+            nxt = next((i + 1 for i, p in enumerate(tree.parents) if p + 1 == node and tree.tokens[i] == tok), None)
+            if nxt is None:
+                break
+            node, matched = nxt, matched + 1
+        else:
+            if any(p + 1 == node for p in tree.parents):
+                seq.shadow = (tree, node, matched)  # still inside the tree: wait for more tokens
+                return
+        seq.shadow = None
+        self._observe(seq, matched)
 
     def _drop_session(self, seq: _Sequence, reason: str) -> None:
         seq.fallback_reason = reason

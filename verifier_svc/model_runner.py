@@ -78,3 +78,37 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] → fp32 [..., vocab]."""
         return self.lm_head(hidden).float()
+
+
+def measure_step_cost(runner: ModelRunner, prefix: int = 256, tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)):
+    """Time one forward over t new tokens after a ``prefix``-token context, for each t (best of 3).
+
+    Runs in slot 0 of an empty cache at start-up; returns a ``router.cost_model.StepCost``.
+    """
+    import time
+
+    from router.cost_model import StepCost
+
+    with torch.inference_mode():
+        ids = torch.randint(0, runner.vocab_size, (1, prefix + max(tokens)), device=runner.device)
+        pos = torch.arange(prefix, device=runner.device)[None]
+        runner.forward(slice(0, 1), ids[:, :prefix], pos, causal_mask(pos, prefix))
+        seconds = []
+        for t in tokens:
+            pos = torch.arange(prefix, prefix + t, device=runner.device)[None]
+            best = float("inf")
+            for _ in range(3):
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                runner.logits(
+                    runner.forward(slice(0, 1), ids[:, prefix : prefix + t], pos, causal_mask(pos, prefix + t))
+                )
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            seconds.append(best)
+    # Costs never fall with more tokens; noise must not say otherwise.
+    for i in range(1, len(seconds)):
+        seconds[i] = max(seconds[i], seconds[i - 1])
+    return StepCost(tuple(tokens), tuple(seconds))

@@ -235,7 +235,7 @@ async def run(config: VerifierConfig) -> None:
     import torch
 
     from specmesh.model_loading import load_model
-    from verifier_svc.model_runner import ModelRunner
+    from verifier_svc.model_runner import ModelRunner, measure_step_cost
 
     if config.threads > 0:
         torch.set_num_threads(config.threads)
@@ -248,7 +248,14 @@ async def run(config: VerifierConfig) -> None:
         flush=True,
     )
     runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context)
-    engine = Engine(runner, lm.tokenizer, eos_token_ids(lm.model, lm.tokenizer), max_context, config.engine)
+    step_cost = None
+    if config.proposers and config.spec_gating == "cost":
+        step_cost = measure_step_cost(runner)
+        ratios = ", ".join(
+            f"{t}:{s / step_cost.seconds[0]:.1f}x" for t, s in zip(step_cost.tokens, step_cost.seconds, strict=True)
+        )
+        print(f"verifier: step cost by new tokens (vs 1) {ratios}", flush=True)
+    engine = Engine(runner, lm.tokenizer, eos_token_ids(lm.model, lm.tokenizer), max_context, config.engine, step_cost)
     engine.start()
     names = tuple(name for name, _ in config.proposers)
     limits = RequestLimits(max_context=max_context, vocab_size=runner.vocab_size, configured_proposers=names)

@@ -39,6 +39,17 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
+def truncate(tree: TokenTree, n: int) -> TokenTree:
+    """The first ``n`` nodes: still a tree, since parents precede children.
+
+    >>> truncate(TokenTree([4, 5, 6], [-1, 0, -1]), 2)
+    TokenTree(tokens=[4, 5], parents=[-1, 0], dists=None)
+    """
+    if n >= len(tree):
+        return tree
+    return TokenTree(tree.tokens[:n], tree.parents[:n], tree.dists[:n] if tree.dists is not None else None)
+
+
 def validate_tree(tree: TokenTree, vocab_size: int, max_nodes: int, max_depth: int) -> list[int]:
     """Raise InvalidTree saying what is wrong; return the node depths.
 

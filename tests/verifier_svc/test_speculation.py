@@ -38,7 +38,8 @@ def start_ngram() -> tuple[str, subprocess.Popen]:
 @pytest.fixture(scope="module")
 def spec_verifier(tmp_path_factory, lm):
     address, ngram = start_ngram()
-    v = start_verifier(tmp_path_factory.mktemp("spec"), "--proposer", f"ngram={address}")
+    # Verify every tree (no cost gating), so losslessness is exercised on every proposal.
+    v = start_verifier(tmp_path_factory.mktemp("spec"), "--proposer", f"ngram={address}", "--spec-gating", "always")
     yield v
     stop_verifier(v)
     ngram.terminate()
@@ -111,7 +112,7 @@ def test_sampled_tokens_with_ngram_on_and_off_follow_the_target_softmax_chi_squa
 
 def test_proposer_killed_mid_request_completes_with_the_same_greedy_output(tmp_path, lm, prompts, hf_greedy):
     address, ngram = start_ngram()
-    v = start_verifier(tmp_path, "--proposer", f"ngram={address}")
+    v = start_verifier(tmp_path, "--proposer", f"ngram={address}", "--spec-gating", "always")
     try:
         ids = prompts[-1]
         with Client(v.address) as c:
@@ -162,7 +163,7 @@ def test_malformed_trees_are_rejected_counted_and_the_request_completes_correctl
     proposer_pb2_grpc.add_ProposerServiceServicer_to_server(LyingProposer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    v = start_verifier(tmp_path, "--proposer", f"liar=127.0.0.1:{port}")
+    v = start_verifier(tmp_path, "--proposer", f"liar=127.0.0.1:{port}", "--spec-gating", "always")
     try:
         ids = prompts[0]
         with Client(v.address) as c:
@@ -177,3 +178,21 @@ def test_malformed_trees_are_rejected_counted_and_the_request_completes_correctl
     finally:
         stop_verifier(v)
         server.stop(0)
+
+
+def test_cost_gated_speculation_is_lossless_and_still_speculates_where_copying_pays(tmp_path, lm, chat_ids, hf_greedy):
+    address, ngram = start_ngram()
+    v = start_verifier(tmp_path, "--proposer", f"ngram={address}")  # default: --spec-gating cost
+    try:
+        edits = [chat_ids(t) for t in workload_prompts(per_category=8, max_chars=2000, categories=("code_edit",))][:3]
+        drafted = 0
+        with Client(v.address) as c:
+            for ids in edits:
+                out = c.complete(ids, _greedy(64), NGRAM)
+                assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 64))
+                drafted += out.summary.speculation.drafted_tokens
+        assert drafted > 0
+        assert "step cost by new tokens" in v.log()
+    finally:
+        stop_verifier(v)
+        ngram.kill()
