@@ -111,7 +111,7 @@ class _Sequence:
     last_tree: float = 0.0
     # Accepted tokens per speculative step (EWMA), from verified trees and from trees skipped
     # this step whose would-be acceptance is read off the tokens emitted after them.
-    accept_ewma: float = 1.0
+    accept_ewma: float = 1.0  # prior; shadow acceptance of skipped trees corrects it either way
     shadow: tuple[TokenTree, int, int] | None = None  # (skipped tree, current index, matched)
 
     @property
@@ -386,7 +386,17 @@ class Engine:
         for seq in live:
             if seq.session.failed is not None:
                 self._drop_session(seq, seq.session.failed)
-        wanted = [(s.session, s.context_length) for s in seqs if s.session is not None]
+        # Wait for trees only where speculation may pay this step (by the cost model); others use
+        # a tree only if it is already there (it still feeds the acceptance estimate).
+        promising = [s for s in seqs if s.session is not None]
+        if self.step_cost is not None and promising:
+            chains = [  # as if every live proposer sent a full chain
+                self._expected_by_width(s, list(range(-1, s.session.limits.max_depth - 1))) if s.session else [0.0]
+                for s in seqs
+            ]
+            if choose_width(chains, self.step_cost) == 1:
+                promising = []
+        wanted = [(s.session, s.context_length) for s in promising]
         waited = wait_for_trees(self.trees_arrived, wanted, self.config.proposer_wait_ms / 1e3) if wanted else 0.0
         now = time.perf_counter()
         trees = []
@@ -414,15 +424,7 @@ class Engine:
         Expected acceptance per row: a geometric model whose per-token rate α matches the
         request's accepted-per-step EWMA a (a = α / (1 − α)), over the depth the cut tree reaches.
         """
-        expected = []
-        for seq, tree in zip(seqs, trees, strict=True):
-            a = seq.accept_ewma
-            alpha = a / (1 + a)
-            reach, e = 0, [0.0]
-            for d in depths(tree.parents):
-                reach = max(reach, d)
-                e.append(alpha * (1 - alpha**reach) / (1 - alpha))
-            expected.append(e)
+        expected = [self._expected_by_width(seq, tree.parents) for seq, tree in zip(seqs, trees, strict=True)]
         width = choose_width(expected, self.step_cost)
         out = []
         for seq, tree in zip(seqs, trees, strict=True):
@@ -432,6 +434,17 @@ class Engine:
                 tree = truncate(tree, width - 1)
             out.append(tree)
         return out
+
+    @staticmethod
+    def _expected_by_width(seq: _Sequence, parents: list[int]) -> list[float]:
+        """Expected accepted tokens when the tree is cut to its first w - 1 nodes, for each w."""
+        a = seq.accept_ewma
+        alpha = a / (1 + a)
+        reach, e = 0, [0.0]
+        for d in depths(parents):
+            reach = max(reach, d)
+            e.append(alpha * (1 - alpha**reach) / (1 - alpha))
+        return e
 
     @staticmethod
     def _observe(seq: _Sequence, accepted: int) -> None:
