@@ -5,10 +5,11 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
+
+from common import workload_rows
 
 from proposer_svc.ngram import NgramConfig, NgramIndex
 
@@ -21,7 +22,7 @@ def main() -> None:
     from specmesh.model_loading import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path())
-    rows = [json.loads(x) for x in (ROOT / "workloads" / "specbench_offline_dev.jsonl").read_text().splitlines()]
+    rows = workload_rows()
     text = "\n".join(r["turns"][0] for r in rows if r["category"] in ("code_edit", "rag"))
     ids = tok.encode(text)[:4096]
     idx = NgramIndex(NgramConfig())

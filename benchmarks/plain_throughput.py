@@ -10,19 +10,19 @@ Prints a markdown table; tokens/s are end to end (prefill included) per request,
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common import cpu_name, workload_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def prompts(n: int) -> list[str]:
-    rows = [json.loads(x) for x in (ROOT / "workloads" / "specbench_offline_dev.jsonl").read_text().splitlines()]
+    rows = workload_rows()
     by_cat: dict[str, list[str]] = {}
     for r in rows:
         if len(r["turns"][0]) < 1500:
@@ -96,14 +96,7 @@ def main() -> None:
     med = statistics.median
     agg_single = med(single)
     agg_conc = sum(k for k, _ in conc) / wall
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
+    cpu = cpu_name()
     print(f"\nmachine: {cpu}, {a.threads} torch threads; model SmolLM2-135M-Instruct fp32 CPU")
     print(f"{len(ids)} workload prompts, {n} new tokens each (greedy, EOS ignored)\n")
     print("| mode | tokens/s per stream (median) | aggregate tokens/s | vs generate() |")

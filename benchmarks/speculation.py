@@ -12,18 +12,18 @@ outputs of every mode are checked against plain; a mismatch is printed as a loss
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common import cpu_name, workload_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_prompts(categories: list[str], per_category: int) -> dict[str, list[str]]:
-    rows = [json.loads(x) for x in (ROOT / "workloads" / "specbench_offline_dev.jsonl").read_text().splitlines()]
+    rows = workload_rows()
     out: dict[str, list[str]] = {c: [] for c in categories}
     for r in rows:
         if r["category"] in out and len(out[r["category"]]) < per_category:
@@ -109,14 +109,7 @@ def main() -> None:
                 conc[c][m] = sum(len(r.token_ids) for r in rs) / (time.perf_counter() - t0)
 
     med = statistics.median
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
+    cpu = cpu_name()
     print(f"\nmachine: {cpu}, {a.threads} torch threads; SmolLM2-135M-Instruct fp32 CPU; greedy, {n} new tokens")
     print(f"{a.prompts} prompts per category; tokens/s = median over prompts, end to end (prefill included)\n")
     print(
