@@ -109,9 +109,12 @@ class _Sequence:
     accepted: int = 0
     wait_s: float = 0.0
     last_tree: float = 0.0
-    # Accepted tokens per speculative step (EWMA), from verified trees and from trees skipped
-    # this step whose would-be acceptance is read off the tokens emitted after them.
-    accept_ewma: float = 1.0  # prior; shadow acceptance of skipped trees corrects it either way
+    # Per-token acceptance rate α = successes / trials (both EWMAs): a drafted level counts a
+    # success when accepted, a trial also when the path stopped there; a path accepted to the end
+    # of a cut tree is censored (no failure counted), so cutting trees never biases α down.
+    # Fed by verified trees and by skipped trees scored against the tokens emitted after them.
+    accept_s: float = 1.0  # prior α = 0.5
+    accept_t: float = 2.0
     shadow: tuple[TokenTree, int, int] | None = None  # (skipped tree, current index, matched)
 
     @property
@@ -370,7 +373,8 @@ class Engine:
                 seq.accepted += len(path)
                 self.stats.drafted_tokens += len(tree)
                 self.stats.accepted_tokens += len(path)
-                self._observe(seq, len(path))
+                last = path[-1] if path else -1
+                self._observe(seq, len(path), rejected=last in tree.parents)
                 seq.shadow = None
             before = len(seq.output)
             emitted = [tree.tokens[k] for k in path] + [bonus]
@@ -437,9 +441,9 @@ class Engine:
 
     @staticmethod
     def _expected_by_width(seq: _Sequence, parents: list[int]) -> list[float]:
-        """Expected accepted tokens when the tree is cut to its first w - 1 nodes, for each w."""
-        a = seq.accept_ewma
-        alpha = a / (1 + a)
+        """Expected accepted tokens when the tree is cut to its first w - 1 nodes, for each w:
+        α(1 − α^depth) / (1 − α) for the depth the cut tree reaches."""
+        alpha = min(seq.accept_s / seq.accept_t, 0.99)
         reach, e = 0, [0.0]
         for d in depths(parents):
             reach = max(reach, d)
@@ -447,23 +451,29 @@ class Engine:
         return e
 
     @staticmethod
-    def _observe(seq: _Sequence, accepted: int) -> None:
-        seq.accept_ewma += _EWMA * (accepted - seq.accept_ewma)
+    def _observe(seq: _Sequence, accepted: int, rejected: bool) -> None:
+        """``accepted`` levels were (or would have been) taken; ``rejected``: the walk stopped at a
+        node that had children (a failure), not at a leaf (censored)."""
+        seq.accept_s += _EWMA * (accepted - seq.accept_s)
+        seq.accept_t += _EWMA * (accepted + rejected - seq.accept_t)
 
     def _follow_shadow(self, seq: _Sequence, emitted: list[int]) -> None:
         """Walk a skipped tree along the emitted tokens; its would-be acceptance updates the EWMA."""
         tree, node, matched = seq.shadow
+        rejected = False
         for tok in emitted:
             nxt = next((i + 1 for i, p in enumerate(tree.parents) if p + 1 == node and tree.tokens[i] == tok), None)
             if nxt is None:
+                rejected = True
                 break
             node, matched = nxt, matched + 1
+            if node - 1 not in tree.parents:  # reached a leaf
+                break
         else:
-            if any(p + 1 == node for p in tree.parents):
-                seq.shadow = (tree, node, matched)  # still inside the tree: wait for more tokens
-                return
+            seq.shadow = (tree, node, matched)  # still inside the tree: wait for more tokens
+            return
         seq.shadow = None
-        self._observe(seq, matched)
+        self._observe(seq, matched, rejected)
 
     def _drop_session(self, seq: _Sequence, reason: str) -> None:
         seq.fallback_reason = reason
