@@ -59,6 +59,19 @@ class TokenEvent:
 
 
 @dataclass
+class SpecCounters:
+    """Speculation counters of one request (live on the sequence, final in FinishEvent)."""
+
+    proposer: str = "none"
+    steps: int = 0  # verification steps that carried a tree
+    drafted: int = 0
+    accepted: int = 0
+    wait_s: float = 0.0  # waiting for proposals
+    invalid_trees: int = 0
+    fallback_reason: str = ""
+
+
+@dataclass
 class FinishEvent:
     finish_reason: str  # "length" | "eos" | "stop"
     prompt_tokens: int
@@ -69,13 +82,7 @@ class FinishEvent:
     ttft_ms: float
     total_ms: float
     stop_string: str = ""
-    proposer: str = "none"
-    spec_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    proposer_wait_ms: float = 0.0
-    invalid_trees: int = 0
-    fallback_reason: str = ""
+    spec: SpecCounters = field(default_factory=SpecCounters)
 
 
 @dataclass
@@ -102,12 +109,7 @@ class _Sequence:
     prefill_start: float = 0.0
     first_token: float = 0.0
     session: ProposerSession | None = None
-    proposer: str = "none"
-    fallback_reason: str = ""
-    spec_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    wait_s: float = 0.0
+    spec: SpecCounters = field(default_factory=SpecCounters)
     last_tree: float = 0.0
     # Per-token acceptance rate α = successes / trials (both EWMAs): a drafted level counts a
     # success when accepted, a trial also when the path stopped there; a path accepted to the end
@@ -197,7 +199,7 @@ class Engine:
             stopper=StopStringFilter(list(req.stop)),
             arrival=time.perf_counter(),
             session=session,
-            proposer=session.name if session else "none",
+            spec=SpecCounters(proposer=session.name if session else "none"),
         )
         self._inbox.put(("submit", seq))
 
@@ -368,9 +370,9 @@ class Engine:
             seq.steps += 1
             seq.verify_s += elapsed
             if len(tree):
-                seq.spec_steps += 1
-                seq.drafted += len(tree)
-                seq.accepted += len(path)
+                seq.spec.steps += 1
+                seq.spec.drafted += len(tree)
+                seq.spec.accepted += len(path)
                 self.stats.drafted_tokens += len(tree)
                 self.stats.accepted_tokens += len(path)
                 last = path[-1] if path else -1
@@ -407,13 +409,13 @@ class Engine:
         for seq in seqs:
             tree = None
             if seq.session is not None:
-                seq.wait_s += waited
+                seq.spec.wait_s += waited
                 tree = seq.session.take(seq.context_length)
                 if tree is not None:
                     seq.last_tree = now
                 elif now - seq.last_tree > self.config.proposer_timeout_s:
                     self._drop_session(
-                        seq, f"proposer {seq.proposer!r} sent no tree for {self.config.proposer_timeout_s} s"
+                        seq, f"proposer {seq.spec.proposer!r} sent no tree for {self.config.proposer_timeout_s} s"
                     )
             if tree is None or seq.length + 1 + len(tree) > self.max_context:
                 tree = _EMPTY_TREE
@@ -476,8 +478,10 @@ class Engine:
         self._observe(seq, matched, rejected)
 
     def _drop_session(self, seq: _Sequence, reason: str) -> None:
-        seq.fallback_reason = reason
+        seq.spec.fallback_reason = reason
         if seq.session is not None:
+            seq.spec.invalid_trees = seq.session.invalid_trees
+            self.stats.invalid_trees += seq.session.invalid_trees
             seq.session.fail(reason)
             self.stats.proposer_fallbacks += 1
         seq.session = None
@@ -559,7 +563,8 @@ class Engine:
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         now = time.perf_counter()
-        invalid = seq.session.invalid_trees if seq.session else 0
+        if seq.session is not None:
+            seq.spec.invalid_trees = seq.session.invalid_trees
         seq.sink(
             FinishEvent(
                 finish_reason=reason,
@@ -571,13 +576,7 @@ class Engine:
                 ttft_ms=(seq.first_token - seq.arrival) * 1e3,
                 total_ms=(now - seq.arrival) * 1e3,
                 stop_string=seq.stopper.matched or "",
-                proposer=seq.proposer,
-                spec_steps=seq.spec_steps,
-                drafted=seq.drafted,
-                accepted=seq.accepted,
-                proposer_wait_ms=seq.wait_s * 1e3,
-                invalid_trees=invalid,
-                fallback_reason=seq.fallback_reason,
+                spec=seq.spec,
             )
         )
         seq.done = True

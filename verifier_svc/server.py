@@ -135,24 +135,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 def _summary(ev: FinishEvent, fallback_reason: str) -> generation_pb2.GenerationSummary:
     emitted_after_prefill = max(ev.completion_tokens - 1, 0)
     per_proposer = {}
-    if ev.proposer != "none":
-        per_proposer[ev.proposer] = params_pb2.ProposerMetrics(
-            steps=ev.spec_steps, drafted_tokens=ev.drafted, accepted_tokens=ev.accepted
+    spec = ev.spec
+    if spec.proposer != "none":
+        per_proposer[spec.proposer] = params_pb2.ProposerMetrics(
+            steps=spec.steps, drafted_tokens=spec.drafted, accepted_tokens=spec.accepted
         )
     return generation_pb2.GenerationSummary(
         finish_reason=_FINISH[ev.finish_reason],
         usage=generation_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
         speculation=params_pb2.SpeculationMetrics(
             steps=ev.steps,
-            drafted_tokens=ev.drafted,
-            accepted_tokens=ev.accepted,
+            drafted_tokens=spec.drafted,
+            accepted_tokens=spec.accepted,
             # tokens emitted per verification step (accepted + bonus)
             mean_accepted_length=emitted_after_prefill / ev.steps if ev.steps else 0.0,
             per_proposer=per_proposer,
-            proposer_wait_ms=ev.proposer_wait_ms,
+            proposer_wait_ms=spec.wait_s * 1e3,
             verify_ms=ev.verify_ms,
-            fallback_reason=ev.fallback_reason or fallback_reason,
-            invalid_trees=ev.invalid_trees,
+            fallback_reason=spec.fallback_reason or fallback_reason,
+            invalid_trees=spec.invalid_trees,
         ),
         timing=generation_pb2.Timing(queue_ms=ev.queue_ms, time_to_first_token_ms=ev.ttft_ms, total_ms=ev.total_ms),
         stop_string=ev.stop_string,
