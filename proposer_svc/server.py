@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -37,16 +36,12 @@ class RequestProposer(Protocol):
 class ProposerServicer(proposer_pb2_grpc.ProposerServiceServicer):
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
-        self.streams = 0
-        self.propose_s = 0.0
-        self.proposals = 0
 
     async def Propose(
         self, request_iterator: AsyncIterator[proposer_pb2.ProposeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[proposer_pb2.ProposeResponse]:
         state: RequestProposer | None = None
         budget = proposer_pb2.TreeBudget()
-        self.streams += 1
         async for msg in request_iterator:
             kind = msg.WhichOneof("event")
             if kind == "start":
@@ -65,10 +60,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServiceServicer):
                     budget = msg.advance.budget
             else:
                 return
-            t0 = time.perf_counter()
             tokens, parents = state.propose(budget.max_nodes or None, budget.max_depth or None)
-            self.propose_s += time.perf_counter() - t0
-            self.proposals += 1
             yield proposer_pb2.ProposeResponse(
                 context_length=state.context_length, tree=proposer_pb2.TokenTree(tokens=tokens, parents=parents)
             )

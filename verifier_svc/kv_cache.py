@@ -74,10 +74,6 @@ class SlotKVCache:
             new_seq = max(seq, min(new_seq, self.seq_limit))
         self._alloc(new_slots, new_seq)
 
-    def bytes_per_token(self) -> int:
-        heads, dim = self.shape_tail
-        return 2 * self.num_layers * heads * dim * self.keys[0].element_size()
-
     # --- slots --------------------------------------------------------------------------
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""

@@ -46,6 +46,7 @@ class ProposerSession:
         self._arrived = arrived  # shared with the engine: notified whenever a tree lands
         self._tree: tuple[int, TokenTree] | None = None
         self.failed: str | None = None
+        self._ended = False  # End sent (request finished, cancelled or failed)
         self.invalid_trees = 0
         self.last_invalid = ""
         self._task: asyncio.Task | None = None
@@ -74,7 +75,7 @@ class ProposerSession:
                 self.fail(f"{exc.code().name}: {exc.details()}")
 
     def _closed(self) -> bool:
-        return self.failed is not None or getattr(self, "_ended", False)
+        return self.failed is not None or self._ended
 
     def _receive(self, resp: proposer_pb2.ProposeResponse) -> None:
         t = resp.tree
@@ -115,7 +116,7 @@ class ProposerSession:
         self.close()
 
     def close(self) -> None:
-        if getattr(self, "_ended", False):
+        if self._ended:
             return
         self._ended = True
 
