@@ -44,24 +44,35 @@ DEMO_CONCURRENT_PROMPTS = [
 ]
 
 
+# `specmesh serve NAME …` → the service module's own main(argv); each service parses its own flags.
+SERVICES = {
+    "verifier": "verifier_svc.server",
+    "ngram": "proposer_svc.server",
+}
+# Commands that own their whole argument list (`specmesh NAME …` → module.main(argv)).
+TOOLS: dict[str, str] = {
+    "bench": "specmesh.bench.cli",
+}
+
+
+def _run_module_main(module: str, argv: list[str]) -> None:
+    import importlib
+
+    importlib.import_module(module).main(argv)
+
+
 def _serve(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: specmesh serve {verifier,ngram} [service flags]  (e.g. specmesh serve verifier --help)")
+        names = ",".join(SERVICES)
+        print(f"usage: specmesh serve {{{names}}} [service flags]  (e.g. specmesh serve verifier --help)")
         return
     service, rest = argv[0], argv[1:]
+    if service not in SERVICES:
+        sys.exit(f"specmesh serve: unknown service {service!r} (known: {', '.join(SERVICES)})")
     # Sleeping (not spinning) OpenMP workers leave the gRPC and engine threads a core on small
     # machines: measured 9.5 → 10.9 tok/s single-stream on 2 cores. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if service == "verifier":
-        from verifier_svc.server import main as verifier_main
-
-        verifier_main(rest)
-    elif service == "ngram":
-        from proposer_svc.server import main as ngram_main
-
-        ngram_main(rest)
-    else:
-        sys.exit(f"specmesh serve: unknown service {service!r} (known: verifier, ngram)")
+    _run_module_main(SERVICES[service], rest)
 
 
 def _deployment(args: argparse.Namespace):
@@ -243,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     sub.add_parser("serve", help="run one service in the foreground (as a container does)", add_help=False)
+    for name, module in TOOLS.items():
+        sub.add_parser(name, help=f"see `specmesh {name} --help` ({module})", add_help=False)
 
     up = sub.add_parser("up", help="start every service as its own local process")
     _add_deploy_flags(up)
@@ -278,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":  # service flags belong to the service's own parser
         _serve(argv[1:])
+        return
+    if argv and argv[0] in TOOLS:
+        _run_module_main(TOOLS[argv[0]], argv[1:])
         return
     args = build_parser().parse_args(argv)
     {"up": _up, "generate": _generate, "status": _status, "admin": _admin, "demo": _demo}[args.cmd](args)

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from verifier_svc.engine import EngineConfig
+from verifier_svc.local_proposer import inprocess_kind
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class VerifierConfig:
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     max_context: int = 0  # 0 = the model's max_position_embeddings
     proposers: tuple[tuple[str, str], ...] = ()  # (name, address)
+    auto_proposers: tuple[str, ...] | None = None  # what `auto` may pick; None = every configured one
     grace_s: float = 30.0
     spec_gating: str = "cost"  # "cost": speculate where the measured step cost says it pays; "always"
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -43,7 +45,15 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         action="append",
         default=[x for x in _env("PROPOSERS", "").split(",") if x],
         metavar="NAME=ADDRESS",
-        help="a proposer service, e.g. ngram=127.0.0.1:50061 (repeatable)",
+        help="a proposer service, e.g. ngram=127.0.0.1:50061 or ngram=dns:///ngram:50061 (repeatable); "
+        "ADDRESS inprocess:ngram runs the n-gram algorithm inside the verifier",
+    )
+    p.add_argument(
+        "--auto-proposers",
+        default=_env("AUTO_PROPOSERS", ""),
+        metavar="NAME,NAME",
+        help="proposers the router may choose for proposer=auto (default: all configured); others serve only "
+        "requests that name them, e.g. a benchmark's oracle",
     )
     p.add_argument(
         "--spec-gating",
@@ -59,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         name, sep, addr = item.partition("=")
         if not sep or not name or not addr:
             p.error(f"--proposer expects NAME=ADDRESS, got {item!r}")
+        if addr.startswith("inprocess:"):
+            try:
+                inprocess_kind(addr)
+            except ValueError as exc:
+                p.error(str(exc))
         proposers.append((name.strip().lower(), addr.strip()))
     return VerifierConfig(
         address=a.address,
@@ -68,7 +83,18 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         threads=a.threads,
         max_context=a.max_context,
         proposers=tuple(proposers),
+        auto_proposers=_auto_proposers(p, a.auto_proposers, [n for n, _ in proposers]),
         grace_s=a.grace,
         spec_gating=a.spec_gating,
         engine=EngineConfig(max_running=a.max_running, max_waiting=a.max_waiting, prefill_chunk_tokens=a.prefill_chunk),
     )
+
+
+def _auto_proposers(p: argparse.ArgumentParser, value: str, configured: list[str]) -> tuple[str, ...] | None:
+    if not value:
+        return None
+    names = tuple(x.strip().lower() for x in value.split(",") if x.strip())
+    unknown = [n for n in names if n not in configured]
+    if unknown:
+        p.error(f"--auto-proposers: {', '.join(unknown)} not configured with --proposer")
+    return names

@@ -69,6 +69,12 @@ class SpecCounters:
     wait_s: float = 0.0  # waiting for proposals
     invalid_trees: int = 0
     fallback_reason: str = ""
+    accepted_hist: list[int] = field(default_factory=list)  # [k] = steps that accepted k draft tokens
+
+    def count_accepted(self, k: int) -> None:
+        if len(self.accepted_hist) <= k:
+            self.accepted_hist.extend([0] * (k + 1 - len(self.accepted_hist)))
+        self.accepted_hist[k] += 1
 
 
 @dataclass
@@ -373,6 +379,7 @@ class Engine:
                 seq.spec.steps += 1
                 seq.spec.drafted += len(tree)
                 seq.spec.accepted += len(path)
+                seq.spec.count_accepted(len(path))
                 self.stats.drafted_tokens += len(tree)
                 self.stats.accepted_tokens += len(path)
                 last = path[-1] if path else -1

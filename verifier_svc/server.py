@@ -23,6 +23,7 @@ from specmesh.v1 import (
 )
 from verifier_svc.config import VerifierConfig, parse_args
 from verifier_svc.engine import Engine, EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent
+from verifier_svc.local_proposer import LocalProposerSession, inprocess_kind
 from verifier_svc.proposer_client import ProposerLimits, ProposerSession
 from verifier_svc.requests import (
     GenerationRequest,
@@ -61,9 +62,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         proposers: dict[str, proposer_pb2_grpc.ProposerServiceStub],
         vocab: proposer_pb2.VocabIdentity,
         model_name: str,
+        local_proposers: tuple[str, ...] = (),
+        auto_proposers: tuple[str, ...] | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.limits, self.policy = engine, tokenizer, limits, policy
         self.proposers, self.vocab, self.model_name = proposers, vocab, model_name
+        self.local_proposers = local_proposers  # names served in-process (verifier_svc/local_proposer.py)
+        self.auto_proposers = limits.configured_proposers if auto_proposers is None else auto_proposers
 
     def _open_session(self, req: GenerationRequest, proposer: str) -> ProposerSession:
         policy = self.policy.get()
@@ -85,6 +90,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             corpus=req.spec.corpus,
         )
         limits = ProposerLimits(vocab_size=self.limits.vocab_size, max_nodes=nodes, max_depth=depth)
+        if proposer in self.local_proposers:
+            return LocalProposerSession(proposer, list(req.prompt_ids), limits, self.engine.trees_arrived)
         session = ProposerSession(
             proposer, self.proposers[proposer], asyncio.get_running_loop(), start, limits, self.engine.trees_arrived
         )
@@ -100,10 +107,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ProposerNotConfigured as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        choice = resolve_proposer(req.spec.proposer, self.policy.get(), self.limits.configured_proposers)
+        choice = resolve_proposer(req.spec.proposer, self.policy.get(), self.auto_proposers)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        session = self._open_session(req, choice.proposer) if choice.proposer in self.proposers else None
+        known = choice.proposer in self.proposers or choice.proposer in self.local_proposers
+        session = self._open_session(req, choice.proposer) if known else None
         try:
             self.engine.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), session)
         except (EngineFull, EngineStopped) as exc:
@@ -154,6 +162,7 @@ def _summary(ev: FinishEvent, fallback_reason: str) -> generation_pb2.Generation
             verify_ms=ev.verify_ms,
             fallback_reason=spec.fallback_reason or fallback_reason,
             invalid_trees=spec.invalid_trees,
+            accepted_length_counts=spec.accepted_hist,
         ),
         timing=generation_pb2.Timing(queue_ms=ev.queue_ms, time_to_first_token_ms=ev.ttft_ms, total_ms=ev.total_ms),
         stop_string=ev.stop_string,
@@ -263,9 +272,11 @@ async def run(config: VerifierConfig) -> None:
     policy = PolicyStore(names)
 
     # One channel per proposer tier; dns:/// names of headless services balance across replicas.
+    local = tuple(name for name, addr in config.proposers if inprocess_kind(addr))
     channels = {
         name: grpc.aio.insecure_channel(addr, options=[("grpc.lb_policy_name", "round_robin")])
         for name, addr in config.proposers
+        if name not in local
     }
     stubs = {name: proposer_pb2_grpc.ProposerServiceStub(ch) for name, ch in channels.items()}
     vocab = proposer_pb2.VocabIdentity(
@@ -275,7 +286,8 @@ async def run(config: VerifierConfig) -> None:
     )
     server = new_server()
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(engine, lm.tokenizer, limits, policy, stubs, vocab, lm.name), server
+        GenerationServicer(engine, lm.tokenizer, limits, policy, stubs, vocab, lm.name, local, config.auto_proposers),
+        server,
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(engine, policy, lm.name, str(lm.device), str(lm.dtype).removeprefix("torch.")), server

@@ -49,7 +49,7 @@ class ProposerMetrics(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationMetrics(_message.Message):
-    __slots__ = ("steps", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "per_proposer", "proposer_wait_ms", "verify_ms", "fallback_reason", "invalid_trees")
+    __slots__ = ("steps", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "per_proposer", "proposer_wait_ms", "verify_ms", "fallback_reason", "invalid_trees", "accepted_length_counts")
     class PerProposerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class SpeculationMetrics(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     INVALID_TREES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LENGTH_COUNTS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     drafted_tokens: int
     accepted_tokens: int
@@ -75,4 +76,5 @@ class SpeculationMetrics(_message.Message):
     verify_ms: float
     fallback_reason: str
     invalid_trees: int
-    def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., per_proposer: _Optional[_Mapping[str, ProposerMetrics]] = ..., proposer_wait_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., invalid_trees: _Optional[int] = ...) -> None: ...
+    accepted_length_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., per_proposer: _Optional[_Mapping[str, ProposerMetrics]] = ..., proposer_wait_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., invalid_trees: _Optional[int] = ..., accepted_length_counts: _Optional[_Iterable[int]] = ...) -> None: ...

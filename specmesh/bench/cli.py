@@ -1,0 +1,222 @@
+"""``specmesh bench``: argument parsing, the deployment it starts, and the files it writes.
+
+    specmesh bench --limit 2 --max-tokens 64 --concurrency 1,8
+    specmesh bench --target 10.0.0.5:50051 --modes plain,ngram,auto --categories code_edit,rag
+
+Writes ``records.jsonl`` (one line per request), ``summary.md`` and PNG plots to ``--out``;
+exits 1 when any greedy output differs from plain decoding (a losslessness failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict
+from pathlib import Path
+
+import grpc
+
+from specmesh.bench.report import losslessness_failures, markdown, pipeline_overhead, plots, summarize
+from specmesh.bench.runner import ALL_MODES, HF_MODES, SERVICE_MODES, BenchRunner, HfReference, RunConfig
+from specmesh.bench.workload import DEFAULT_WORKLOAD, load_prompts
+from specmesh.client import Client
+from specmesh.params import SamplingParams, SpecDecodeParams
+
+DEFAULT_MODES = "plain,ngram,ngram-local,auto,oracle,hf-greedy,hf-pld"
+# Proposers the local deployment adds for the benchmark itself; `auto` never picks them.
+BENCH_ONLY = ("ngram-local", "oracle")
+
+
+def _csv(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specmesh bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="", help="verifier host:port; default: start a local deployment")
+    p.add_argument("--model", default=None, help="model folder (local deployment and the hf-* modes)")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list of {', '.join(ALL_MODES)}")
+    p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="Spec-Bench-shaped JSONL")
+    p.add_argument("--categories", default="", help="comma list; default: every category in the workload")
+    p.add_argument("--limit", type=int, default=2, help="prompts per category")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="1", help="comma list of concurrent streams, e.g. 1,8,32")
+    p.add_argument("--sampling", default="greedy", help="comma list of greedy, sampled")
+    p.add_argument("--temperature", type=float, default=1.0, help="for sampled runs")
+    p.add_argument("--pld-sweep", default="3,5,10", help="prompt_lookup_num_tokens values for hf-pld (best is kept)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the verifier and the hf-* modes")
+    p.add_argument("--corpus", default="", help="RAG corpus for the rag mode")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default bench-results/<time>)")
+    p.add_argument("--corrupt", default="", help=argparse.SUPPRESS)  # self-test: flip a token of this mode
+    a = p.parse_args(argv)
+    unknown = [m for m in _csv(a.modes) if m not in ALL_MODES]
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(ALL_MODES)})")
+    if "plain" not in _csv(a.modes):
+        p.error("--modes must include plain: every speed-up and losslessness check is against it")
+    bad = [s for s in _csv(a.sampling) if s not in ("greedy", "sampled")]
+    if bad:
+        p.error(f"--sampling: unknown {', '.join(bad)}")
+    return a
+
+
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = max(total, 1), 0, time.monotonic()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        frac = min(self.done / self.total, 1.0)
+        bar = "#" * int(30 * frac)
+        eta = (time.monotonic() - self.t0) / frac * (1 - frac)
+        sys.stderr.write(f"\r[{bar:<30}] {self.done}/{self.total} {label:<40.40} eta {eta:4.0f} s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def _available(client: Client, modes: list[str], prompt: list[int], corpus: str) -> list[str]:
+    """Service modes this verifier serves (a 2-token probe each, which also warms it up)."""
+    ok = []
+    for m in modes:
+        if m not in SERVICE_MODES:
+            ok.append(m)
+            continue
+        spec = SpecDecodeParams(proposer=SERVICE_MODES[m], corpus=corpus if m == "rag" else "")
+        try:
+            client.complete(prompt, SamplingParams(temperature=0.0, max_tokens=2), spec, timeout=120)
+            ok.append(m)
+        except grpc.RpcError as exc:
+            print(f"bench: mode {m} unavailable here ({exc.code().name}: {exc.details()}); skipped", file=sys.stderr)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    modes = _csv(a.modes)
+    out_dir = a.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoTokenizer
+
+    from specmesh.bench.oracle import OracleServer
+    from specmesh.model_loading import resolve_model_path
+
+    model_path = resolve_model_path(a.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def encode(text: str) -> list[int]:
+        msgs = [{"role": "user", "content": text}]
+        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    prompts = load_prompts(a.workload, _csv(a.categories) or None, a.limit, encode)
+    config = RunConfig(
+        modes=tuple(modes),
+        concurrency=tuple(int(c) for c in _csv(a.concurrency)),
+        samplings=tuple(_csv(a.sampling)),
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        pld_sweep=tuple(int(k) for k in _csv(a.pld_sweep)),
+        corpus=a.corpus,
+    )
+    with ExitStack() as stack:
+        oracle = None
+        if a.target:
+            address = a.target
+        else:
+            from specmesh.deploy import DeploymentConfig, LocalDeployment, free_port
+
+            oracle = stack.enter_context(OracleServer())
+            ngram = f"127.0.0.1:{free_port()}"
+            extra = ["--proposer", "ngram-local=inprocess:ngram", "--proposer", f"oracle={oracle.address}"]
+            extra += ["--auto-proposers", "ngram"]
+            dep = LocalDeployment(
+                DeploymentConfig(
+                    model=str(model_path),
+                    verifier_address=f"127.0.0.1:{free_port()}",
+                    verifier_threads=a.threads,
+                    ngram_address=ngram,
+                    extra_verifier_args=tuple(extra),
+                    run_dir=Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specmesh-bench-"))),
+                )
+            )
+            print("bench: starting the local deployment …", file=sys.stderr)
+            stack.enter_context(dep)
+            address = dep.verifier_address
+        client = stack.enter_context(Client(address))
+        modes = _available(client, modes, list(prompts[0].token_ids), a.corpus)
+        config = RunConfig(**{**asdict(config), "modes": tuple(modes)})
+        server = client.stats().server
+        hf = HfReference(str(model_path), a.threads) if any(m in HF_MODES for m in modes) else None
+        meta = {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "model": server.model,
+            "device": server.device,
+            "dtype": server.dtype,
+            "cpu": cpu_name(),
+            "gpu": _gpu_name(),
+            "threads": a.threads,
+            "git_commit": git_commit(),
+            "max_tokens": a.max_tokens,
+            "limit": a.limit,
+            "workload": str(a.workload),
+        }
+        set_oracle = oracle.servicer.set_continuation if oracle else None
+        runner = BenchRunner(config, client, hf, set_oracle, a.corrupt or None)
+        progress = Progress(runner.planned_requests(prompts))
+        records = []
+        with (out_dir / "records.jsonl").open("w") as f:
+            for rec in runner.run(prompts):
+                rec.update(meta)
+                f.write(json.dumps(rec) + "\n")
+                records.append(rec)
+                progress.step(f"{rec['category']} {rec['mode']} c={rec['concurrency']}")
+        progress.close()
+
+    rows = summarize(records)
+    failures = losslessness_failures(records)
+    text = markdown(rows, meta, pipeline_overhead(records), failures)
+    (out_dir / "summary.md").write_text(text)
+    (out_dir / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    images = plots(rows, records, out_dir)
+    print(text)
+    print(f"bench: wrote {out_dir}/records.jsonl, summary.md, summary.json, " + ", ".join(p.name for p in images))
+    if failures:
+        print(f"bench: LOSSLESSNESS FAILURE in {len(failures)} request(s); see summary.md", file=sys.stderr)
+        sys.exit(1)
+
+
+def _gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    except ImportError:
+        return ""

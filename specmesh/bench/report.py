@@ -1,0 +1,337 @@
+"""From per-request records to the summary: medians, paired speed-ups, tables and plots.
+
+Speed-ups are paired: a mode's tokens/s on a prompt (or a wave, at concurrency > 1) divided by
+``plain``'s on the same prompt (wave) of the same run, then the median over the category's
+prompts; the overall figure is the geometric mean over categories. ``hf-pld`` counts as its best
+lookup length per category. Efficiency = a mode's speed-up ÷ the oracle's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OVERALL = "overall"
+
+
+@dataclass
+class Row:
+    sampling: str
+    concurrency: int
+    category: str
+    mode: str
+    requests: int
+    tokens_per_s: float
+    speedup: float | None = None  # vs plain, same run
+    vs_hf_pld: float | None = None
+    efficiency: float | None = None  # speedup / oracle speedup
+    ttft_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    mean_accepted_length: float | None = None  # tokens emitted per verification step
+    acceptance_rate: float | None = None  # accepted / drafted
+    drafted: int = 0
+    accepted: int = 0
+    proposer_share: float | None = None  # proposer wait / (wait + verify)
+    lossless: bool | None = None
+    pld_k: int | None = None
+    fallbacks: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile.
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 50), percentile([1.0, 2.0, 3.0, 4.0], 99)
+    (2.0, 4.0)
+    """
+    s = sorted(values)
+    return s[max(math.ceil(q / 100 * len(s)) - 1, 0)]
+
+
+def geomean(values: list[float]) -> float:
+    """Geometric mean (NaN for none).
+
+    >>> round(geomean([1.0, 4.0]), 6)
+    2.0
+    """
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def best_pld(records: list[dict]) -> list[dict]:
+    """Keep, per category, only the hf-pld runs of the lookup length with the best median tokens/s."""
+    by: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    out = [r for r in records if r["mode"] != "hf-pld"]
+    for r in records:
+        if r["mode"] == "hf-pld":
+            by[(r["sampling"], r["concurrency"], r["category"])][r["pld_k"]].append(r)
+    for runs in by.values():
+        best = max(runs.values(), key=lambda rs: statistics.median(x["tokens_per_s"] for x in rs))
+        out.extend(best)
+    return out
+
+
+def _unit(r: dict) -> tuple:
+    """What pairs records across modes: the prompt at concurrency 1, the wave beyond."""
+    return (r["prompt_index"],) if r["concurrency"] == 1 else (r["wave"],)
+
+
+def _throughput(rs: list[dict]) -> dict[tuple, float]:
+    """tokens/s per pairing unit: per request at concurrency 1, the wave's aggregate beyond."""
+    out: dict[tuple, float] = {}
+    for r in rs:
+        out[_unit(r)] = r["tokens_per_s"] if r["concurrency"] == 1 else r["wave_tokens_per_s"]
+    return out
+
+
+def _paired_ratio(a: dict[tuple, float], b: dict[tuple, float]) -> float | None:
+    ratios = [a[k] / b[k] for k in a if k in b and b[k] > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def summarize(records: list[dict]) -> list[Row]:
+    records = best_pld(records)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["sampling"], r["concurrency"], r["category"], r["mode"])].append(r)
+    rows: dict[tuple, Row] = {}
+    for (sampling, c, cat, mode), rs in groups.items():
+        tput = _throughput(rs)
+        gaps = [g for r in rs for g in r.get("itl_ms", [])]
+        drafted, accepted = sum(r.get("drafted", 0) for r in rs), sum(r.get("accepted", 0) for r in rs)
+        wait, verify = sum(r.get("proposer_wait_ms", 0.0) for r in rs), sum(r.get("verify_ms", 0.0) for r in rs)
+        checked = [r["lossless"] for r in rs if "lossless" in r]
+        service = "ttft_ms" in rs[0]
+        rows[(sampling, c, cat, mode)] = Row(
+            sampling=sampling,
+            concurrency=c,
+            category=cat,
+            mode=mode,
+            requests=len(rs),
+            tokens_per_s=statistics.median(tput.values()),
+            ttft_ms=statistics.median(r["ttft_ms"] for r in rs) if service else None,
+            itl_p50_ms=percentile(gaps, 50) if gaps else None,
+            itl_p99_ms=percentile(gaps, 99) if gaps else None,
+            mean_accepted_length=statistics.fmean(r["mean_accepted_length"] for r in rs) if service else None,
+            acceptance_rate=accepted / drafted if drafted else None,
+            drafted=drafted,
+            accepted=accepted,
+            proposer_share=wait / (wait + verify) if service and wait + verify > 0 else None,
+            lossless=all(checked) if checked else None,
+            pld_k=rs[0].get("pld_k") if mode == "hf-pld" else None,
+            fallbacks=sum(1 for r in rs if r.get("fallback_reason")),
+        )
+    for (sampling, c, cat, mode), row in rows.items():
+        plain = groups.get((sampling, c, cat, "plain"))
+        if plain:
+            row.speedup = _paired_ratio(_throughput(groups[(sampling, c, cat, mode)]), _throughput(plain))
+        pld = groups.get((sampling, c, cat, "hf-pld"))
+        if pld and mode != "hf-pld":
+            row.vs_hf_pld = _paired_ratio(_throughput(groups[(sampling, c, cat, mode)]), _throughput(pld))
+    for (sampling, c, cat, _), row in rows.items():
+        oracle = rows.get((sampling, c, cat, "oracle"))
+        if oracle and oracle.speedup and row.speedup is not None:
+            row.efficiency = row.speedup / oracle.speedup
+    return sorted(rows.values(), key=lambda r: (r.sampling, r.concurrency, r.category, r.mode)) + _overall(rows)
+
+
+def _overall(rows: dict[tuple, Row]) -> list[Row]:
+    """Per (sampling, concurrency, mode): geometric means over categories."""
+    by: dict[tuple, list[Row]] = defaultdict(list)
+    for (sampling, c, _, mode), row in rows.items():
+        by[(sampling, c, mode)].append(row)
+    out = []
+    for (sampling, c, mode), rs in sorted(by.items()):
+
+        def gm(attr: str, rs: list[Row] = rs) -> float | None:
+            vals = [getattr(r, attr) for r in rs]
+            return geomean(vals) if vals and all(v for v in vals) else None
+
+        checked = [r.lossless for r in rs if r.lossless is not None]
+        out.append(
+            Row(
+                sampling=sampling,
+                concurrency=c,
+                category=OVERALL,
+                mode=mode,
+                requests=sum(r.requests for r in rs),
+                tokens_per_s=geomean([r.tokens_per_s for r in rs]),
+                speedup=gm("speedup"),
+                vs_hf_pld=gm("vs_hf_pld"),
+                efficiency=gm("efficiency"),
+                mean_accepted_length=gm("mean_accepted_length"),
+                drafted=sum(r.drafted for r in rs),
+                accepted=sum(r.accepted for r in rs),
+                acceptance_rate=(sum(r.accepted for r in rs) / d) if (d := sum(r.drafted for r in rs)) else None,
+                lossless=all(checked) if checked else None,
+                fallbacks=sum(r.fallbacks for r in rs),
+            )
+        )
+    return out
+
+
+def pipeline_overhead(records: list[dict]) -> dict[tuple[str, int], float]:
+    """1 − (n-gram through its service ÷ the same algorithm in-process), paired, per run kind."""
+    out = {}
+    for sampling, c in sorted({(r["sampling"], r["concurrency"]) for r in records}):
+
+        def tput(mode: str, sampling: str = sampling, c: int = c) -> dict[tuple, float]:
+            rs = [r for r in records if r["mode"] == mode and r["sampling"] == sampling and r["concurrency"] == c]
+            return {(r["category"], *_unit(r)): r["tokens_per_s"] if c == 1 else r["wave_tokens_per_s"] for r in rs}
+
+        ratio = _paired_ratio(tput("ngram"), tput("ngram-local"))
+        if ratio is not None:
+            out[(sampling, c)] = 1.0 - ratio
+    return out
+
+
+def losslessness_failures(records: list[dict]) -> list[str]:
+    return [
+        f"{r['mode']} on {r['category']}[{r['prompt_index']}] (concurrency {r['concurrency']}, wave {r['wave']}): "
+        f"first differing token at {r['mismatch_at']}"
+        for r in records
+        if r.get("lossless") is False
+    ]
+
+
+def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if v is None else f"{v:{spec}}{suffix}"
+
+
+def markdown(rows: list[Row], meta: dict, overhead: dict, failures: list[str]) -> str:
+    lines = [
+        f"# specmesh bench — {meta.get('started', '')}",
+        "",
+        f"Machine: {meta.get('cpu')}{' + ' + meta['gpu'] if meta.get('gpu') else ''}; verifier: {meta.get('model')} "
+        f"{meta.get('dtype')} on {meta.get('device')}, {meta.get('threads') or 'default'} torch threads; "
+        f"git {meta.get('git_commit', '?')[:10]}; {meta.get('max_tokens')} new tokens, "
+        f"{meta.get('limit')} prompts per category.",
+        "tokens/s: end to end per request (prefill included), median; at concurrency > 1 the aggregate of a wave. "
+        "Speed-up: paired with plain on the same prompt in the same run, median; overall = geometric mean "
+        "over categories.",
+        "",
+    ]
+    if failures:
+        lines += ["## LOSSLESSNESS FAILURES", "", *[f"- {f}" for f in failures], ""]
+    kinds = sorted({(r.sampling, r.concurrency) for r in rows})
+    for sampling, c in kinds:
+        rs = [r for r in rows if r.sampling == sampling and r.concurrency == c]
+        modes = list(dict.fromkeys(r.mode for r in sorted(rs, key=lambda r: _MODE_RANK.get(r.mode, 99))))
+        cats = [*dict.fromkeys(r.category for r in rs if r.category != OVERALL), OVERALL]
+        cell = {(r.category, r.mode): r for r in rs}
+        lines += [f"## {sampling}, {c} stream{'s' if c > 1 else ''}: tokens/s (speed-up vs plain)", ""]
+        lines += ["| category | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+        for cat in cats:
+            vals = []
+            for m in modes:
+                r = cell.get((cat, m))
+                if r is None:
+                    vals.append("–")
+                    continue
+                k = f" K={r.pld_k}" if r.pld_k else ""
+                vals.append(f"{r.tokens_per_s:.1f} ({_fmt(r.speedup, '.2f', 'x')}){k}")
+            lines.append(f"| {'**overall (geo-mean)**' if cat == OVERALL else cat} | " + " | ".join(vals) + " |")
+        lines += ["", f"Per mode, overall ({sampling}, {c} stream{'s' if c > 1 else ''}):", ""]
+        lines += [
+            "| mode | speed-up | vs HF PLD | efficiency vs oracle | tokens/step | acceptance | drafted | accepted "
+            "| TTFT ms | ITL p50/p99 ms | proposer wait | fallbacks | lossless |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for m in modes:
+            r = cell[(OVERALL, m)]
+            detail = [x for x in rs if x.mode == m and x.category != OVERALL]
+            ttft = statistics.median(x.ttft_ms for x in detail) if detail and detail[0].ttft_ms is not None else None
+            p50 = [x.itl_p50_ms for x in detail if x.itl_p50_ms is not None]
+            p99 = [x.itl_p99_ms for x in detail if x.itl_p99_ms is not None]
+            share = [x.proposer_share for x in detail if x.proposer_share is not None]
+            itl = f"{statistics.median(p50):.0f}/{statistics.median(p99):.0f}" if p50 else "–"
+            lossless = {True: "yes", False: "**NO**", None: "–"}[r.lossless]
+            lines.append(
+                f"| {m} | {_fmt(r.speedup, '.2f', 'x')} | {_fmt(r.vs_hf_pld, '.2f', 'x')} | {_fmt(r.efficiency)} "
+                f"| {_fmt(r.mean_accepted_length)} | {_fmt(r.acceptance_rate, '.0%')} | {r.drafted} | {r.accepted} "
+                f"| {_fmt(ttft, '.0f')} | {itl} | {_fmt(statistics.median(share) if share else None, '.0%')} "
+                f"| {r.fallbacks} | {lossless} |"
+            )
+        if (sampling, c) in overhead:
+            lines += [
+                "",
+                f"Pipeline overhead (n-gram through its gRPC service vs the same algorithm in the verifier, "
+                f"paired): {overhead[(sampling, c)]:+.1%}",
+            ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+_MODE_RANK = {m: i for i, m in enumerate(("plain", "ngram", "ngram-local", "draft", "rag", "auto", "oracle",
+                                          "hf-greedy", "hf-pld"))}  # fmt: skip
+
+
+def plots(rows: list[Row], records: list[dict], out_dir: Path) -> list[Path]:
+    """tokens/s per category per mode; accepted-length histogram per proposer; speed-up vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    single = [r for r in rows if r.sampling == "greedy" and r.concurrency == 1 and r.category != OVERALL]
+    if single:
+        cats = list(dict.fromkeys(r.category for r in single))
+        modes = sorted({r.mode for r in single}, key=lambda m: _MODE_RANK.get(m, 99))
+        fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cats)), 4.5))
+        width = 0.8 / len(modes)
+        cell = {(r.category, r.mode): r.tokens_per_s for r in single}
+        for i, m in enumerate(modes):
+            xs = [j + i * width for j in range(len(cats))]
+            ax.bar(xs, [cell.get((c, m), 0.0) for c in cats], width, label=m)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20)
+        ax.set_ylabel("tokens/s (median, 1 stream, greedy)")
+        ax.legend(fontsize=8, ncol=3)
+        ax.set_title("tokens/s per category per mode")
+        fig.tight_layout()
+        paths.append(out_dir / "tokens_per_s.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    hist: dict[str, list[int]] = defaultdict(list)
+    for r in records:
+        counts = r.get("accepted_length_counts") or []
+        if r["mode"] not in ("plain",) and counts:
+            h = hist[r["mode"]]
+            h.extend([0] * (len(counts) - len(h)))
+            for k, n in enumerate(counts):
+                h[k] += n
+    if hist:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.8 / len(hist)
+        for i, (m, h) in enumerate(sorted(hist.items())):
+            total = sum(h) or 1
+            ax.bar([k + i * width for k in range(len(h))], [n / total for n in h], width, label=m)
+        ax.set_xlabel("draft tokens accepted in a verification step")
+        ax.set_ylabel("share of steps with a tree")
+        ax.set_title("accepted length per proposer")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "accepted_length.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    overall = [r for r in rows if r.category == OVERALL and r.speedup is not None and r.mode != "plain"]
+    if len({r.concurrency for r in overall}) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for sampling in sorted({r.sampling for r in overall}):
+            for m in sorted({r.mode for r in overall}, key=lambda m: _MODE_RANK.get(m, 99)):
+                pts = sorted((r.concurrency, r.speedup) for r in overall if r.mode == m and r.sampling == sampling)
+                if len(pts) > 1:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=f"{m} ({sampling})")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("speed-up vs plain (geo-mean over categories)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "speedup_vs_concurrency.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,68 @@
+"""A proposer run inside the verifier process, behind the same session interface as a stream.
+
+``--proposer ngram-local=inprocess:ngram`` gives the verifier the n-gram algorithm without gRPC:
+the tree for a context is computed on the engine thread the moment the accepted tokens arrive.
+It exists to measure what the service boundary costs (``specmesh bench`` reports n-gram
+in-process vs through its service, same run) and for single-box set-ups that want no extra
+process. The proposer services remain the scalable path.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from proposer_svc.ngram import NgramConfig, NgramIndex
+from verifier_svc.proposer_client import ProposerLimits
+from verifier_svc.tree import TokenTree
+
+INPROCESS_PREFIX = "inprocess:"
+INPROCESS_KINDS = ("ngram",)
+
+
+def inprocess_kind(address: str) -> str | None:
+    """The proposer kind of an ``inprocess:KIND`` address, else None.
+
+    >>> inprocess_kind("inprocess:ngram"), inprocess_kind("127.0.0.1:50061")
+    ('ngram', None)
+    """
+    if not address.startswith(INPROCESS_PREFIX):
+        return None
+    kind = address.removeprefix(INPROCESS_PREFIX)
+    if kind not in INPROCESS_KINDS:
+        raise ValueError(f"in-process proposer {kind!r} not available (known: {', '.join(INPROCESS_KINDS)})")
+    return kind
+
+
+class LocalProposerSession:
+    """Duck-types ``ProposerSession`` (take/has_tree_for/advance/fail/close) for the engine."""
+
+    def __init__(self, name: str, prompt: list[int], limits: ProposerLimits, arrived: threading.Condition) -> None:
+        self.name, self.limits = name, limits
+        self.failed: str | None = None
+        self.invalid_trees = 0
+        self.last_invalid = ""
+        self._arrived = arrived
+        self._index = NgramIndex(NgramConfig(max_nodes=limits.max_nodes, max_depth=limits.max_depth))
+        self._tree: tuple[int, TokenTree] | None = None
+        self.advance(prompt)
+
+    def take(self, context_length: int) -> TokenTree | None:
+        if self._tree is None or self._tree[0] != context_length:
+            return None
+        tree, self._tree = self._tree[1], None
+        return tree
+
+    def has_tree_for(self, context_length: int) -> bool:
+        return self._tree is not None and self._tree[0] == context_length
+
+    def advance(self, tokens: list[int]) -> None:
+        self._index.extend(tokens)
+        toks, parents = self._index.propose(self.limits.max_nodes, self.limits.max_depth)
+        self._tree = (self._index.context_length, TokenTree(toks, parents))
+
+    def fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = f"proposer {self.name!r} failed: {reason}"
+
+    def close(self) -> None:
+        pass
