@@ -23,7 +23,7 @@ demo: install
 	$(VENV)/bin/specmesh demo
 
 # A quick benchmark (~10 min on 2 cores): every category, 2 prompts each; writes docs/bench/latest.
-BENCH_ARGS ?= --limit 2 --max-tokens 64 --concurrency 1,8 --pld-sweep 5,10
+BENCH_ARGS ?= --limit 2 --max-tokens 64 --concurrency 1,8 --pld-sweep 5
 bench: install
 	$(VENV)/bin/specmesh bench $(BENCH_ARGS) --out docs/bench/latest
 

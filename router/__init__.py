@@ -1,4 +1,26 @@
 """Speculation routing: which proposer and how much to speculate, per request.
 
-Knows no model: it decides from request parameters, the runtime policy and statistics.
+Knows no model: it decides from request parameters, the runtime policy, live acceptance
+statistics (``router.stats``: in process or shared through Redis) and the measured cost of a
+verification step (``router.cost_model``). ``router.selection`` holds the policy core.
 """
+
+from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
+from router.selection import Decision, Router, SelectionConfig, choose, step_time_from
+from router.stats import AcceptanceStats, StatsBackend, StatsConfig, StatsKey, open_stats
+
+__all__ = [
+    "AcceptanceStats",
+    "Decision",
+    "PolicyStore",
+    "Router",
+    "SelectionConfig",
+    "SpeculationPolicy",
+    "StatsBackend",
+    "StatsConfig",
+    "StatsKey",
+    "choose",
+    "open_stats",
+    "resolve_proposer",
+    "step_time_from",
+]

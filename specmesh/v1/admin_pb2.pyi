@@ -111,3 +111,53 @@ class SetPolicyResponse(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     policy: SpeculationPolicy
     def __init__(self, policy: _Optional[_Union[SpeculationPolicy, _Mapping]] = ...) -> None: ...
+
+class GetRouterStatsRequest(_message.Message):
+    __slots__ = ("proposer", "workload_tag", "model")
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_TAG_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    proposer: str
+    workload_tag: str
+    model: str
+    def __init__(self, proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RouterStats(_message.Message):
+    __slots__ = ("model", "proposer", "workload_tag", "steps", "drafted_tokens", "accepted_tokens", "accepted_per_step", "drafted_per_step", "proposer_wait_ms_per_step", "position_trials", "position_accepted")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_TAG_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_WAIT_MS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    POSITION_TRIALS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    proposer: str
+    workload_tag: str
+    steps: float
+    drafted_tokens: float
+    accepted_tokens: float
+    accepted_per_step: float
+    drafted_per_step: float
+    proposer_wait_ms_per_step: float
+    position_trials: _containers.RepeatedScalarFieldContainer[float]
+    position_accepted: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., steps: _Optional[float] = ..., drafted_tokens: _Optional[float] = ..., accepted_tokens: _Optional[float] = ..., accepted_per_step: _Optional[float] = ..., drafted_per_step: _Optional[float] = ..., proposer_wait_ms_per_step: _Optional[float] = ..., position_trials: _Optional[_Iterable[float]] = ..., position_accepted: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class GetRouterStatsResponse(_message.Message):
+    __slots__ = ("backend", "connected", "detail", "half_life_s", "stats")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    HALF_LIFE_S_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    connected: bool
+    detail: str
+    half_life_s: float
+    stats: _containers.RepeatedCompositeFieldContainer[RouterStats]
+    def __init__(self, backend: _Optional[str] = ..., connected: _Optional[bool] = ..., detail: _Optional[str] = ..., half_life_s: _Optional[float] = ..., stats: _Optional[_Iterable[_Union[RouterStats, _Mapping]]] = ...) -> None: ...

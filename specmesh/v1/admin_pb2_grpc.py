@@ -50,6 +50,11 @@ class AdminServiceStub:
                 request_serializer=specmesh_dot_v1_dot_admin__pb2.SetPolicyRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_admin__pb2.SetPolicyResponse.FromString,
                 _registered_method=True)
+        self.GetRouterStats = channel.unary_unary(
+                '/specmesh.v1.AdminService/GetRouterStats',
+                request_serializer=specmesh_dot_v1_dot_admin__pb2.GetRouterStatsRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_admin__pb2.GetRouterStatsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -74,6 +79,13 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRouterStats(self, request, context):
+        """The router's live acceptance statistics (decayed), per proposer and workload tag.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +103,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.SetPolicy,
                     request_deserializer=specmesh_dot_v1_dot_admin__pb2.SetPolicyRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_admin__pb2.SetPolicyResponse.SerializeToString,
+            ),
+            'GetRouterStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRouterStats,
+                    request_deserializer=specmesh_dot_v1_dot_admin__pb2.GetRouterStatsRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_admin__pb2.GetRouterStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class AdminService:
             '/specmesh.v1.AdminService/SetPolicy',
             specmesh_dot_v1_dot_admin__pb2.SetPolicyRequest.SerializeToString,
             specmesh_dot_v1_dot_admin__pb2.SetPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRouterStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.AdminService/GetRouterStats',
+            specmesh_dot_v1_dot_admin__pb2.GetRouterStatsRequest.SerializeToString,
+            specmesh_dot_v1_dot_admin__pb2.GetRouterStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

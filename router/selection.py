@@ -1,0 +1,328 @@
+"""Which proposer, and how many draft tokens per step: the router's policy core.
+
+For proposer p verifying k draft tokens per step in a batch of B rows:
+
+    goodput(p, k) = (1 + E_p(k)) / (step_time(B, 1 + k) + wait_p)      tokens per second per row
+    E_p(k)        = Σ_{d=1..k} Π_{j=1..d} α_{p,j}
+
+α_{p,j}: probability that p's draft token at depth j is accepted given its parent was (a Beta
+posterior per depth from the decayed statistics); wait_p: the verifier's mean wait for p's draft
+per step; the 1 is the bonus token. k = 0 (plain decoding, 1 / step_time(B, 1)) is always a
+candidate, so speculation switches itself off where verification is dear (large batches, CPUs)
+or acceptance poor. Every row of a step pays for the widest row (padding), hence step_time(B, 1 + k).
+
+Exploration: ``thompson`` draws the α's from their posteriors (a seeded ``random.Random``; one
+draw per proposer moves every depth together); ``ucb`` adds an optimism bonus that shrinks with
+evidence; ``greedy`` uses posterior means. Statistics decay toward the prior, so the evidence
+behind a proposer that is not used shrinks and it is tried again.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.cost_model import StepCost
+from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
+from router.stats import AcceptanceStats, StatsBackend, StatsKey
+
+StepTime = Callable[[int, int], float]  # (batch rows, tokens per row) → seconds of one verification forward
+EXPLORATION = ("thompson", "ucb", "greedy")
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    exploration: str = "thompson"  # "thompson" | "ucb" | "greedy"
+    ucb_c: float = 0.5
+    prior_mean: float = 0.5  # α prior at depth 1 where nothing is known
+    prior_strength: float = 2.0  # pseudo-trials behind a prior
+    max_k: int = 16  # draft tokens per step, at most
+    min_gain: float = 0.02  # speculate only when goodput beats plain decoding by this fraction
+    switch_margin: float = 0.05  # mid-request: another proposer must beat the current one by this much
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.exploration not in EXPLORATION:
+            raise ValueError(f"exploration: must be one of {', '.join(EXPLORATION)}, got {self.exploration!r}")
+
+
+@dataclass(frozen=True)
+class Posterior:
+    """Beta(a[d], b[d]) over the acceptance of one proposer's draft token at depth d + 1."""
+
+    proposer: str
+    a: tuple[float, ...]
+    b: tuple[float, ...]
+    wait_s: float = 0.0  # mean verifier wait for this proposer's draft, per step
+    evidence: float = 0.0  # decayed steps behind the posterior
+
+    def means(self) -> list[float]:
+        return [a / (a + b) for a, b in zip(self.a, self.b, strict=True)]
+
+
+@dataclass(frozen=True)
+class Decision:
+    proposer: str  # whose stream the request should have ("none": no stream)
+    k: int  # draft tokens to verify per step now; 0 = plain decoding (the stream may stay for statistics)
+    goodput: float  # expected tokens/s per row of this choice
+    baseline: float  # expected tokens/s per row of plain decoding
+    expected_accepted: float = 0.0  # draft tokens accepted per step, expected (at k)
+    reason: str = ""  # why k == 0, or why no proposer
+
+    @property
+    def speculate(self) -> bool:
+        return self.k > 0 and self.proposer != "none"
+
+
+def step_time_from(cost: StepCost) -> StepTime:
+    """A step-time function from a cost table over total new tokens (rows × width, padding included).
+
+    >>> step_time_from(StepCost((1, 8), (0.06, 0.13)))(2, 2)
+    0.09
+    """
+    return lambda rows, width: cost(rows * width)
+
+
+def posterior(
+    proposer: str,
+    stats: AcceptanceStats | None,
+    pooled: AcceptanceStats | None,
+    config: SelectionConfig,
+    depth: int,
+) -> Posterior:
+    """Per-depth Beta posteriors. Prior mean at depth d: the pooled (all workload tags) statistics
+    where they exist, else the posterior mean one level up (depth 1: ``config.prior_mean``).
+
+    >>> cfg = SelectionConfig(prior_mean=0.5, prior_strength=2.0)
+    >>> p = posterior("ngram", AcceptanceStats(steps=10.0, hits=(8.0,), trials=(10.0,)), None, cfg, depth=2)
+    >>> p.a, p.b    # depth 2: no data, prior mean = depth 1's 9/12
+    ((9.0, 1.5), (3.0, 0.5))
+    """
+    s = config.prior_strength
+    stats = stats or AcceptanceStats()
+    a: list[float] = []
+    b: list[float] = []
+    mean = config.prior_mean
+    for d in range(depth):
+        if pooled is not None and d < len(pooled.trials) and pooled.trials[d] > 0:
+            mean = (_at(pooled.hits, d) + mean * s) / (pooled.trials[d] + s)
+        hits, trials = _at(stats.hits, d), _at(stats.trials, d)
+        a.append(mean * s + hits)
+        b.append((1 - mean) * s + max(trials - hits, 0.0))
+        mean = a[-1] / (a[-1] + b[-1])
+    return Posterior(proposer, tuple(a), tuple(b), stats.proposer_s_per_step, stats.steps)
+
+
+def _at(xs: tuple[float, ...], d: int) -> float:
+    return xs[d] if d < len(xs) else 0.0
+
+
+def draw_alphas(
+    post: Posterior, config: SelectionConfig, rng: random.Random | None, total_evidence: float
+) -> list[float]:
+    """One α per depth: a posterior draw (thompson), an optimistic bound (ucb), or the mean (greedy).
+
+    >>> post = Posterior("ngram", (9.0, 3.0), (3.0, 1.0))
+    >>> draw_alphas(post, SelectionConfig(exploration="greedy"), None, 0.0)
+    [0.75, 0.75]
+    >>> thompson = SelectionConfig(exploration="thompson")
+    >>> draw_alphas(post, thompson, random.Random(7), 0.0) == draw_alphas(post, thompson, random.Random(7), 0.0)
+    True
+    """
+    means = post.means()
+    if config.exploration == "thompson":
+        # One standard-normal draw moves every depth by z posterior deviations (a Gaussian view of
+        # each Beta, comonotone across depths): a proposer is explored as a whole. Independent
+        # draws per depth would almost never make an unproven proposer look good at every depth.
+        z = (rng or random.Random(config.seed)).gauss(0.0, 1.0)
+        return [
+            min(max(m + z * math.sqrt(m * (1 - m) / (a + b + 1)), 0.001), 0.999)
+            for m, a, b in zip(means, post.a, post.b, strict=True)
+        ]
+    if config.exploration == "ucb":
+        log_n = math.log(1.0 + total_evidence)
+        return [
+            min(m + config.ucb_c * math.sqrt(log_n / (a + b)), 0.999)
+            for m, a, b in zip(means, post.a, post.b, strict=True)
+        ]
+    return means
+
+
+def expected_accepted(alphas: Sequence[float]) -> list[float]:
+    """E(k) for k = 0 … len(alphas): draft tokens a k-token draft gets accepted on average.
+
+    >>> expected_accepted([0.5, 0.5, 0.5])
+    [0.0, 0.5, 0.75, 0.875]
+    """
+    out, reach = [0.0], 1.0
+    for alpha in alphas:
+        reach *= alpha
+        out.append(out[-1] + reach)
+    return out
+
+
+def best_k(alphas: Sequence[float], step_time: StepTime, batch: int, wait_s: float) -> tuple[int, float, float]:
+    """(k ≥ 1, its goodput, its E(k)) maximising (1 + E(k)) / (step_time(batch, 1 + k) + wait_s).
+
+    >>> cpu = step_time_from(StepCost((1, 2, 4, 8, 16), (0.066, 0.119, 0.125, 0.139, 0.158)))
+    >>> k, g, e = best_k([0.9] * 16, cpu, batch=1, wait_s=0.0)
+    >>> k, round(g, 1), round(e, 2)
+    (16, 52.0, 7.33)
+    """
+    e = expected_accepted(alphas)
+    best = (1, 0.0, 0.0)
+    for k in range(1, len(alphas) + 1):
+        g = (1 + e[k]) / (step_time(batch, 1 + k) + wait_s)
+        if g > best[1]:
+            best = (k, g, e[k])
+    return best
+
+
+def choose(
+    posteriors: Sequence[Posterior],
+    step_time: StepTime,
+    batch: int,
+    max_k: int,
+    config: SelectionConfig,
+    rng: random.Random | None = None,
+    current: str | None = None,
+) -> Decision:
+    """The (proposer, k) with the highest expected goodput; k = 0 unless speculation clearly pays.
+
+    ``posteriors``: the candidates (one for a proposer fixed by the client or the policy).
+    ``current``: the request's proposer mid-request; another must beat it by ``switch_margin``.
+
+    >>> cfg = SelectionConfig(exploration="greedy")
+    >>> cpu = step_time_from(StepCost((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.8, 1.9, 2.1, 2.4, 3.4, 6.0, 11.5)))
+    >>> copy = Posterior("ngram", (9.0,) * 8, (1.0,) * 8)    # α = 0.9 per depth
+    >>> chat = Posterior("draft", (3.0,) * 8, (7.0,) * 8)    # α = 0.3
+    >>> d = choose([chat, copy], cpu, batch=1, max_k=8, config=cfg)
+    >>> d.proposer, d.k, round(d.goodput / d.baseline, 2)
+    ('ngram', 8, 2.87)
+    >>> d = choose([chat, copy], cpu, batch=64, max_k=8, config=cfg)    # verification too dear at batch 64
+    >>> d.proposer, d.k
+    ('ngram', 0)
+    >>> choose([chat], cpu, batch=1, max_k=8, config=cfg).k    # poor acceptance: not worth 1.8x per step
+    0
+    """
+    baseline = 1.0 / step_time(batch, 1)
+    if not posteriors:
+        return Decision("none", 0, baseline, baseline, reason="no proposer to choose from")
+    total = sum(p.evidence for p in posteriors)
+    depth = max(0, max_k)
+    scored = []
+    for post in posteriors:
+        trimmed = Posterior(post.proposer, post.a[:depth], post.b[:depth], post.wait_s, post.evidence)
+        alphas = draw_alphas(trimmed, config, rng, total) if depth else []
+        k, g, e = best_k(alphas, step_time, batch, post.wait_s) if alphas else (0, 0.0, 0.0)
+        scored.append((g, post.proposer, k, e))
+    g, name, k, e = max(scored, key=lambda x: x[0])
+    if current is not None and current != name:
+        mine = next((x for x in scored if x[1] == current), None)
+        if mine is not None and mine[0] * (1 + config.switch_margin) >= g:
+            g, name, k, e = mine
+    if k and g > baseline * (1 + config.min_gain):
+        return Decision(name, k, g, baseline, e)
+    why = (
+        f"speculation does not pay at batch {batch}: best {name} k={k} {g:.3g} tok/s per row vs {baseline:.3g} plain"
+        if k
+        else "speculation capped at 0 tokens"
+    )
+    return Decision(name, 0, baseline, baseline, 0.0, why)
+
+
+def candidates(requested: str, policy: SpeculationPolicy, available: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """Proposers the router may choose for a request, and why none when empty.
+
+    The client's own proposer beats the server policy; ``none`` disables speculation.
+
+    >>> candidates("auto", SpeculationPolicy(), ("ngram", "draft"))
+    (('ngram', 'draft'), '')
+    >>> candidates("draft", SpeculationPolicy(mode="off"), ("ngram", "draft"))
+    (('draft',), '')
+    >>> candidates("none", SpeculationPolicy(), ("ngram",))
+    ((), 'speculation disabled by the request')
+    """
+    requested = requested or "auto"
+    choice = resolve_proposer(requested, policy, available)
+    if choice.proposer == "none":
+        return (), choice.reason or "speculation disabled by the request"
+    if requested == "auto" and policy.mode == "auto":
+        return available, ""
+    return (choice.proposer,), ""
+
+
+def k_cap(config: SelectionConfig, *caps: int) -> int:
+    """The smallest positive cap (0 = no cap).
+
+    >>> k_cap(SelectionConfig(max_k=16), 0, 4)
+    4
+    """
+    return min([config.max_k, *(c for c in caps if c > 0)])
+
+
+class Router:
+    """The stateful front of the policy: statistics backend, runtime policy, step cost, seeded RNG.
+
+    Thread-safe: ``decide`` runs on the gRPC loop (request start) and the engine thread (every few
+    steps); ``record`` on the engine thread. Neither touches Redis (the backend's local tables).
+    """
+
+    def __init__(
+        self,
+        stats: StatsBackend,
+        model: str,
+        available: tuple[str, ...],
+        policy: PolicyStore,
+        step_time: StepTime,
+        config: SelectionConfig | None = None,
+    ) -> None:
+        self.stats, self.model, self.available, self.policy = stats, model, available, policy
+        self.step_time = step_time  # replace it when the cost model is re-measured
+        self.config = config or SelectionConfig()
+        self._rng = random.Random(self.config.seed)
+        self._rng_lock = threading.Lock()
+
+    def record(self, proposer: str, workload_tag: str, sample: AcceptanceStats) -> None:
+        """Add a sample under the request's tag and under the pooled key (tag "")."""
+        self.stats.record(StatsKey(self.model, proposer, workload_tag), sample)
+        if workload_tag:
+            self.stats.record(StatsKey(self.model, proposer, ""), sample)
+
+    def posteriors(self, proposers: Sequence[str], workload_tag: str, depth: int) -> list[Posterior]:
+        keys = [StatsKey(self.model, p, t) for p in proposers for t in {workload_tag, ""}]
+        snap = self.stats.snapshot(keys)
+        out = []
+        for p in proposers:
+            own = snap.get(StatsKey(self.model, p, workload_tag))
+            pooled = snap.get(StatsKey(self.model, p, "")) if workload_tag else None
+            out.append(posterior(p, own, pooled, self.config, depth))
+        return out
+
+    def decide(
+        self,
+        requested: str = "auto",
+        workload_tag: str = "",
+        num_speculative_tokens: int = 0,
+        batch: int = 1,
+        current: str | None = None,
+    ) -> Decision:
+        """Proposer and k for a request (at its start, and again every few steps with ``current``)."""
+        policy = self.policy.get()
+        names, why = candidates(requested, policy, self.available)
+        baseline = 1.0 / self.step_time(max(batch, 1), 1)
+        if not names:
+            return Decision("none", 0, baseline, baseline, reason=why)
+        cap = k_cap(self.config, num_speculative_tokens, policy.num_speculative_tokens)
+        posts = self.posteriors(names, workload_tag, cap)
+        with self._rng_lock:
+            return choose(posts, self.step_time, max(batch, 1), cap, self.config, self._rng, current)
+
+    def mean_alpha(self, proposer: str, workload_tag: str = "", depth: int = 4) -> float:
+        """Per-token acceptance over the first ``depth`` levels (posterior means, averaged): a prior
+        for a request's own acceptance estimate."""
+        means = self.posteriors([proposer], workload_tag, depth)[0].means()
+        return sum(means) / len(means)

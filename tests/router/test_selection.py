@@ -1,0 +1,162 @@
+"""The router's choice of proposer and draft length, fed scripted acceptance streams over simulated time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.cost_model import StepCost
+from router.policy import PolicyStore, SpeculationPolicy
+from router.selection import Posterior, Router, SelectionConfig, choose, step_time_from
+from router.stats import AcceptanceStats, InProcessStats, StatsConfig
+
+MODEL = "SmolLM2-135M-Instruct"
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+# DESIGN.md's measured forward cost on the 2-core CPU (66 ms for one token), linear once compute-bound.
+CPU = StepCost(TOKENS, tuple(0.066 * r for r in (1.0, 1.8, 1.9, 2.1, 2.4, 3.4, 6.0, 11.5)))
+GPU = StepCost((*TOKENS, 1024), (0.020,) * 8 + (0.040,))  # nearly free until the batch is large
+
+
+def make_router(clock, cost: StepCost = CPU, **config) -> Router:
+    stats = InProcessStats(StatsConfig(half_life_s=20.0), clock)
+    policy = PolicyStore(("ngram", "draft"))
+    return Router(stats, MODEL, ("ngram", "draft"), policy, step_time_from(cost), SelectionConfig(**config))
+
+
+def scripted_step(rng: random.Random, alpha: float, drafted: int) -> AcceptanceStats:
+    """One step of a proposer whose every draft token is accepted with probability ``alpha``."""
+    accepted = 0
+    while accepted < drafted and rng.random() < alpha:
+        accepted += 1
+    return AcceptanceStats.of_step(drafted, accepted, rejected=accepted < drafted, proposer_s=0.0005)
+
+
+def feed(router: Router, clock, rng: random.Random, alpha: dict[str, float], tag: str, steps: int) -> None:
+    for _ in range(steps):
+        for name, a in alpha.items():
+            router.record(name, tag, scripted_step(rng, a, 8))
+        clock.advance(0.1)
+
+
+def closed_loop(router: Router, clock, rng, alpha: dict[str, float], tag: str, steps: int, batch: int = 1):
+    """The engine's loop in miniature: decide, then only the chosen proposer's stream yields a sample
+    (verified at k, or shadow-verified as an 8-token draft when k = 0)."""
+    decisions = []
+    current = None
+    for _ in range(steps):
+        d = router.decide("auto", tag, batch=batch, current=current)
+        decisions.append(d)
+        current = d.proposer
+        if d.proposer != "none":
+            router.record(d.proposer, tag, scripted_step(rng, alpha[d.proposer], d.k or 8))
+        clock.advance(0.1)
+    return decisions
+
+
+def test_picks_ngram_on_copy_heavy_traffic_switches_when_acceptance_changes_and_notices_recovery(clock):
+    """Three regimes of 60-90 s each (half-life 20 s). Thresholds hold for 30 (seed, stream) pairs;
+    the shortfall from 100 is exploration and the lag of decayed statistics."""
+    router = make_router(clock)  # Thompson sampling, seeded
+    rng = random.Random(1)
+
+    def share(decisions, name: str, min_k: int) -> int:
+        return sum(d.proposer == name and d.k >= min_k for d in decisions[-100:])
+
+    def first(decisions, name: str) -> int:
+        return next(i for i, d in enumerate(decisions) if d.proposer == name and d.k > 0)
+
+    copy_heavy = closed_loop(router, clock, rng, {"ngram": 0.9, "draft": 0.5}, "code_edit", 600)
+    assert share(copy_heavy, "ngram", 4) >= 90
+
+    drift = closed_loop(router, clock, rng, {"ngram": 0.05, "draft": 0.8}, "code_edit", 900)
+    assert first(drift, "draft") < 300  # within 30 s of simulated time
+    assert share(drift, "draft", 2) >= 75
+
+    # ngram becomes good again while draft stays fine: exploration must notice it.
+    recovered = closed_loop(router, clock, rng, {"ngram": 0.95, "draft": 0.8}, "code_edit", 900)
+    assert first(recovered, "ngram") < 300
+    assert share(recovered, "ngram", 4) >= 80
+
+
+def test_speculation_turns_off_when_acceptance_is_poor_everywhere(clock):
+    router = make_router(clock)
+    rng = random.Random(2)
+    decisions = closed_loop(router, clock, rng, {"ngram": 0.15, "draft": 0.2}, "chat", 600)
+    assert sum(d.k == 0 for d in decisions[-100:]) >= 90
+
+
+def test_chooses_k_zero_when_verification_cost_at_the_batch_size_outweighs_acceptance(clock):
+    router = make_router(clock, exploration="greedy")
+    feed(router, clock, random.Random(3), {"ngram": 0.7}, "qa", 300)
+    alone = router.decide("auto", "qa", batch=1)
+    assert alone.proposer == "ngram" and alone.k >= 2 and alone.goodput > alone.baseline
+    loaded = router.decide("auto", "qa", batch=64)
+    assert loaded.k == 0 and not loaded.speculate and "batch 64" in loaded.reason
+    assert loaded.proposer == "ngram"  # the stream may stay open: shadow statistics keep flowing
+    # The same acceptance on a GPU-like cost curve: verification is nearly free, so it speculates.
+    router.step_time = step_time_from(GPU)
+    assert router.decide("auto", "qa", batch=64).k >= 4
+
+
+def test_client_overrides_and_policy_are_obeyed(clock):
+    router = make_router(clock, exploration="greedy")
+    feed(router, clock, random.Random(4), {"ngram": 0.9, "draft": 0.1}, "code", 300)
+    assert router.decide("auto", "code").proposer == "ngram"
+    off = router.decide("none", "code")
+    assert off.proposer == "none" and off.k == 0 and "disabled by the request" in off.reason
+    assert router.decide("draft", "code").proposer == "draft"  # the client's choice, though worse
+    assert router.decide("auto", "code", num_speculative_tokens=2).k == 2  # capped
+    assert router.decide("ngram", "code", num_speculative_tokens=1).k == 1
+
+    router.policy.set(SpeculationPolicy(mode="off"))
+    assert router.decide("auto", "code").proposer == "none"
+    assert router.decide("ngram", "code").proposer == "ngram"  # the client beats the server policy
+    router.policy.set(SpeculationPolicy(mode="fixed", proposer="draft"))
+    assert router.decide("auto", "code").proposer == "draft"
+    router.policy.set(SpeculationPolicy(mode="auto", num_speculative_tokens=3))
+    assert router.decide("auto", "code").k == 3
+    assert router.decide("auto", "code", num_speculative_tokens=8).k == 3  # the server cap holds
+
+
+def test_tagged_statistics_fall_back_to_the_pooled_ones_for_a_new_tag(clock):
+    router = make_router(clock, exploration="greedy")
+    feed(router, clock, random.Random(5), {"ngram": 0.9, "draft": 0.3}, "code", 300)
+    fresh = router.decide("auto", "never-seen-tag")
+    assert fresh.proposer == "ngram" and fresh.k >= 4
+    assert router.mean_alpha("ngram", "never-seen-tag") > 0.8
+
+
+def test_mid_request_switch_needs_a_clear_margin():
+    cfg = SelectionConfig(exploration="greedy", switch_margin=0.05)
+    step_time = step_time_from(CPU)
+    a = Posterior("ngram", (8.1,) * 8, (1.9,) * 8)  # α = 0.81: ~3% more goodput
+    b = Posterior("draft", (8.0,) * 8, (2.0,) * 8)  # α = 0.80: a little worse
+    assert choose([a, b], step_time, 1, 8, cfg).proposer == "ngram"
+    assert choose([a, b], step_time, 1, 8, cfg, current="draft").proposer == "draft"  # not worth a new stream
+    c = Posterior("ngram", (9.5,) * 8, (0.5,) * 8)  # α = 0.95: clearly better
+    assert choose([c, b], step_time, 1, 8, cfg, current="draft").proposer == "ngram"
+
+
+def test_thompson_sampling_is_reproducible_with_a_seed(clock):
+    runs = []
+    for _ in range(2):
+        router = make_router(clock, seed=7)
+        feed(router, clock, random.Random(6), {"ngram": 0.6, "draft": 0.6}, "mix", 50)
+        runs.append([(d.proposer, d.k) for d in (router.decide("auto", "mix") for _ in range(30))])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) > 1  # it does explore
+
+
+def test_ucb_tries_an_unproven_proposer_and_greedy_does_not():
+    step_time = step_time_from(CPU)
+    proven = Posterior("ngram", (61.0,) * 8, (41.0,) * 8, evidence=100.0)  # α = 0.6, well known
+    unknown = Posterior("draft", (1.0,) * 8, (1.0,) * 8)  # the prior only
+    ucb = choose([proven, unknown], step_time, 1, 8, SelectionConfig(exploration="ucb"))
+    greedy = choose([proven, unknown], step_time, 1, 8, SelectionConfig(exploration="greedy"))
+    assert ucb.proposer == "draft" and greedy.proposer == "ngram"
+
+
+def test_unknown_exploration_mode_is_refused():
+    with pytest.raises(ValueError, match="exploration"):
+        SelectionConfig(exploration="epsilon")
