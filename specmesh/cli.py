@@ -48,10 +48,14 @@ DEMO_CONCURRENT_PROMPTS = [
 SERVICES = {
     "verifier": "verifier_svc.server",
     "ngram": "proposer_svc.server",
+    "draft": "proposer_svc.draft_server",
+    "rag": "proposer_svc.rag_server",
 }
 # Commands that own their whole argument list (`specmesh NAME …` → module.main(argv)).
 TOOLS: dict[str, str] = {
     "bench": "specmesh.bench.cli",
+    "draft": "proposer_svc.distill",
+    "rag": "proposer_svc.rag_cli",
 }
 
 
@@ -82,6 +86,7 @@ def _deployment(args: argparse.Namespace):
         model=args.model,
         verifier_address=args.verifier_address,
         verifier_threads=args.threads,
+        redis_url=args.redis_url,
         run_dir=Path(args.run_dir) if args.run_dir else DeploymentConfig().run_dir,
     )
     return LocalDeployment(cfg)
@@ -192,6 +197,8 @@ def _admin(args: argparse.Namespace) -> None:
                     max_tree_nodes=args.max_tree_nodes,
                 )
                 print(text_format.MessageToString(client.set_policy(policy)), end="")
+            elif args.admin_cmd == "router-stats":
+                print(text_format.MessageToString(client.router_stats(args.proposer, args.tag)), end="")
         except grpc.RpcError as exc:
             sys.exit(f"specmesh admin: {exc.code().name}: {exc.details()}")
 
@@ -237,6 +244,11 @@ def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier-address", default=DEFAULT_ADDRESS)
     p.add_argument("--threads", type=int, default=0, help="torch threads of the verifier (0 = default)")
     p.add_argument("--run-dir", default=None, help="where logs and the deployment state file go")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("SPECMESH_REDIS_URL", ""),
+        help="router statistics in Redis (e.g. redis://127.0.0.1:6379/0); default: in the verifier process",
+    )
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -280,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--proposer", default="", help="proposer for --mode fixed")
     pol.add_argument("--num-speculative-tokens", type=int, default=0)
     pol.add_argument("--max-tree-nodes", type=int, default=0)
+    rs = adm_sub.add_parser("router-stats", help="the router's acceptance statistics per proposer and tag")
+    rs.add_argument("--proposer", default="", help="only this proposer")
+    rs.add_argument("--tag", default="", help="only this workload tag")
 
     demo = sub.add_parser("demo", help="start the services, stream answers, print tokens/s, stop")
     _add_deploy_flags(demo)

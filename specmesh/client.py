@@ -17,7 +17,8 @@ from specmesh.params import Chunk, Completion, Prompt, SamplingParams, SpecDecod
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.enable_retries", 1)]
+# round_robin: a dns:/// target naming several verifier replicas spreads requests over them.
+_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.enable_retries", 1), ("grpc.lb_policy_name", "round_robin")]
 
 
 class GenerationStream:
@@ -75,6 +76,11 @@ class Client:
     def set_policy(self, policy: admin_pb2.SpeculationPolicy) -> admin_pb2.SpeculationPolicy:
         return self._admin.SetPolicy(admin_pb2.SetPolicyRequest(policy=policy)).policy
 
+    def router_stats(self, proposer: str = "", workload_tag: str = "") -> admin_pb2.GetRouterStatsResponse:
+        """The router's decayed acceptance statistics (shared by every replica when in Redis)."""
+        req = admin_pb2.GetRouterStatsRequest(proposer=proposer, workload_tag=workload_tag)
+        return self._admin.GetRouterStats(req)
+
     def close(self) -> None:
         self.channel.close()
 
@@ -126,6 +132,10 @@ class AsyncClient:
 
     async def set_policy(self, policy: admin_pb2.SpeculationPolicy) -> admin_pb2.SpeculationPolicy:
         return (await self._admin.SetPolicy(admin_pb2.SetPolicyRequest(policy=policy))).policy
+
+    async def router_stats(self, proposer: str = "", workload_tag: str = "") -> admin_pb2.GetRouterStatsResponse:
+        req = admin_pb2.GetRouterStatsRequest(proposer=proposer, workload_tag=workload_tag)
+        return await self._admin.GetRouterStats(req)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -67,6 +67,7 @@ class DeploymentConfig:
     verifier_threads: int = 0
     ngram_address: str = "127.0.0.1:50061"  # "" = no n-gram proposer
     max_running: int = 32
+    redis_url: str = ""  # router statistics; "" = in the verifier process
     extra_verifier_args: tuple[str, ...] = ()
     run_dir: Path = field(default_factory=default_run_dir)
     startup_timeout_s: float = 600.0  # the first start converts the GGUF
@@ -96,6 +97,8 @@ class LocalDeployment:
             verifier_args += ["--proposer", f"ngram={config.ngram_address}"]
         if config.model:
             verifier_args += ["--model", config.model]
+        if config.redis_url:
+            verifier_args += ["--redis-url", config.redis_url]
         if config.verifier_threads:
             verifier_args += ["--threads", str(config.verifier_threads)]
         verifier = [*serve, "verifier", *verifier_args, *config.extra_verifier_args]

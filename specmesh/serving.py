@@ -23,7 +23,9 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.max_connection_age_ms", 300_000),
-    ("grpc.max_connection_age_grace_ms", 60_000),
+    # A stream open when its connection ages out may finish (generation or its proposer stream):
+    # only new streams move to the re-resolved connection.
+    ("grpc.max_connection_age_grace_ms", 3_600_000),
 ]
 
 
@@ -67,8 +69,9 @@ async def serve(
     await asyncio.wait([server_done, stop_wait], return_when=asyncio.FIRST_COMPLETED)
     stop_wait.cancel()
     log.info("draining: health NOT_SERVING, finishing in-flight requests (grace %.0f s)", grace_s)
+    deadline = loop.time() + grace_s
     await health.enter_graceful_shutdown()
     if on_drain is not None:
         await on_drain()
-    await server.stop(grace_s)
+    await server.stop(max(deadline - loop.time(), 1.0))  # the whole drain stays within grace_s
     server_done.cancel()

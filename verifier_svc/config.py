@@ -21,6 +21,11 @@ class VerifierConfig:
     proposers: tuple[tuple[str, str], ...] = ()  # (name, address)
     auto_proposers: tuple[str, ...] | None = None  # what `auto` may pick; None = every configured one
     grace_s: float = 30.0
+    redis_url: str = ""  # shared router statistics; "" = in this process only
+    stats_prefix: str = "specmesh:stats"
+    stats_half_life_s: float = 300.0
+    exploration: str = "thompson"
+    metrics_port: int = 0  # Prometheus /metrics; 0 = off
     spec_gating: str = "cost"  # "cost": speculate where the measured step cost says it pays; "always"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -62,6 +67,26 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         help="cost: verify trees only where expected goodput beats plain decoding (profiled at start-up); "
         "always: verify every tree",
     )
+    p.add_argument(
+        "--redis-url",
+        default=_env("REDIS_URL", ""),
+        help="Redis for the router's statistics, shared by every verifier replica "
+        "(e.g. redis://:PASSWORD@redis:6379/0); empty = statistics in this process",
+    )
+    p.add_argument("--stats-prefix", default=_env("STATS_PREFIX", "specmesh:stats"), help="Redis key prefix")
+    p.add_argument(
+        "--stats-half-life",
+        type=float,
+        default=float(_env("STATS_HALF_LIFE_S", "300")),
+        help="seconds after which a statistic counts half (the router follows drift)",
+    )
+    p.add_argument(
+        "--exploration",
+        choices=["thompson", "ucb", "greedy"],
+        default=_env("EXPLORATION", "thompson"),
+        help="how the router tries proposers whose statistics are uncertain",
+    )
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")), help="Prometheus; 0 = off")
     p.add_argument("--grace", type=float, default=float(_env("GRACE_S", "30")), help="drain seconds on SIGTERM")
     a = p.parse_args(argv)
     proposers = []
@@ -85,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         proposers=tuple(proposers),
         auto_proposers=_auto_proposers(p, a.auto_proposers, [n for n, _ in proposers]),
         grace_s=a.grace,
+        redis_url=a.redis_url,
+        stats_prefix=a.stats_prefix,
+        stats_half_life_s=a.stats_half_life,
+        exploration=a.exploration,
+        metrics_port=a.metrics_port,
         spec_gating=a.spec_gating,
         engine=EngineConfig(max_running=a.max_running, max_waiting=a.max_waiting, prefill_chunk_tokens=a.prefill_chunk),
     )

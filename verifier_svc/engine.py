@@ -17,11 +17,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from router.cost_model import StepCost, choose_width
+from router.stats import AcceptanceStats
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.detokenizer import IncrementalDetokenizer, StopStringFilter
 from verifier_svc.model_runner import ModelRunner, causal_mask
@@ -30,9 +31,14 @@ from verifier_svc.requests import GenerationRequest
 from verifier_svc.sampling import filter_logits, sample_next
 from verifier_svc.tree import TokenTree, depths, truncate, verification_layout
 
+if TYPE_CHECKING:
+    from router.selection import Router
+    from specmesh.metrics import VerifierMetrics
+
 log = logging.getLogger(__name__)
 _EMPTY_TREE = TokenTree([], [])
 _EWMA = 0.3  # weight of the newest step in a request's acceptance estimate
+_KERNEL_MAX_NODES = 63  # the device acceptance / tree-attention kernels' ancestor bitmask: 64 rows
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,9 @@ class EngineConfig:
     max_waiting: int = 64  # admitted but not yet running; beyond running + waiting → rejected
     prefill_chunk_tokens: int = 512  # tokens per prefill forward (long prompts are chunked)
     proposer_wait_ms: float = 5.0  # per step, the longest wait for a request's tree
-    proposer_timeout_s: float = 2.0  # no tree for this long → speculation off for the request
+    proposer_timeout_s: float = 2.0  # no answer for this long → speculation off for the request
+    redecide_steps: int = 16  # the router revisits a request's proposer and k this often (steps)
+    recent_tokens: int = 32  # how far a late tree may be re-rooted (greedy requests)
 
 
 class EngineFull(Exception):
@@ -70,6 +78,15 @@ class SpecCounters:
     invalid_trees: int = 0
     fallback_reason: str = ""
     accepted_hist: list[int] = field(default_factory=list)  # [k] = steps that accepted k draft tokens
+    per_proposer: dict[str, list[int]] = field(default_factory=dict)  # name → [steps, drafted, accepted]
+
+    def count_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        c = self.per_proposer.setdefault(self.proposer, [0, 0, 0])
+        c[0], c[1], c[2] = c[0] + 1, c[1] + drafted, c[2] + accepted
+        self.count_accepted(accepted)
 
     def count_accepted(self, k: int) -> None:
         if len(self.accepted_hist) <= k:
@@ -124,6 +141,8 @@ class _Sequence:
     accept_s: float = 1.0  # prior α = 0.5
     accept_t: float = 2.0
     shadow: tuple[TokenTree, int, int] | None = None  # (skipped tree, current index, matched)
+    k_cap: int = -1  # the router's draft tokens per step for this request (-1: no cap, 0: none)
+    failed_proposers: set[str] = field(default_factory=set)
 
     @property
     def context_length(self) -> int:
@@ -162,9 +181,15 @@ class Engine:
         max_context: int,
         config: EngineConfig,
         step_cost: StepCost | None = None,
+        router: Router | None = None,
+        metrics: VerifierMetrics | None = None,
+        open_session: Callable[[GenerationRequest, str, list[int]], ProposerSession | None] | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.step_cost = step_cost  # None: verify every tree; else speculate only where it pays
+        self.router, self.metrics = router, metrics
+        self.open_session = open_session  # (request, proposer, context) → a new stream, for mid-request switches
+        self._last_wait = 0.0
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
         self.stats = EngineStats()
@@ -184,11 +209,18 @@ class Engine:
         self._thread.start()
 
     def submit(
-        self, req: GenerationRequest, sink: Callable[[Event], None], session: ProposerSession | None = None
+        self,
+        req: GenerationRequest,
+        sink: Callable[[Event], None],
+        session: ProposerSession | None = None,
+        k_cap: int = -1,
+        prior_alpha: float | None = None,
     ) -> None:
         """Queue a request; its events go to ``sink`` (called from the engine thread).
 
-        ``session``: the request's open proposer stream, or None for plain decoding.
+        ``session``: the request's open proposer stream, or None for plain decoding. ``k_cap``: the
+        router's draft tokens per step (-1 none). ``prior_alpha``: the proposer's per-token acceptance
+        from the shared statistics, the start of this request's own estimate (2 pseudo-trials).
         """
         with self._lock:
             if not self._accepting:
@@ -206,7 +238,12 @@ class Engine:
             arrival=time.perf_counter(),
             session=session,
             spec=SpecCounters(proposer=session.name if session else "none"),
+            k_cap=k_cap,
         )
+        if session is not None:
+            seq.spec.per_proposer[session.name] = [0, 0, 0]
+        if prior_alpha is not None:
+            seq.accept_s, seq.accept_t = 2.0 * prior_alpha, 2.0
         self._inbox.put(("submit", seq))
 
     def cancel(self, request_id: str) -> None:
@@ -322,6 +359,8 @@ class Engine:
         logits = self.runner.logits(hidden[torch.tensor(finished, device=dev), last])  # [f, vocab]
         tokens = self._sample([joining[i] for i in finished], logits)
         elapsed = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.step("prefill", elapsed, int(input_ids.numel()))
         for i, tok in zip(finished, tokens, strict=True):
             seq = joining[i]
             seq.verify_s += elapsed
@@ -368,6 +407,14 @@ class Engine:
         results = self._accept(seqs, trees, logits, counts)
         elapsed = time.perf_counter() - t0
         self.stats.steps += 1
+        if self.metrics is not None:
+            self.metrics.step("decode", elapsed, len(seqs) * width)
+        samples: dict[tuple[str, str], AcceptanceStats] = {}  # per (proposer, tag): one record per step
+        verified: dict[str, AcceptanceStats] = {}
+
+        def add(into: dict, key: Any, sample: AcceptanceStats) -> None:
+            into[key] = into[key] + sample if key in into else sample
+
         for seq, tree, (path, bonus) in zip(seqs, trees, results, strict=True):
             base = seq.length + 1  # cache slot of tree node 0
             if path != list(range(len(path))):  # keep only the accepted nodes' KV, in path order
@@ -376,22 +423,65 @@ class Engine:
             seq.steps += 1
             seq.verify_s += elapsed
             if len(tree):
-                seq.spec.steps += 1
-                seq.spec.drafted += len(tree)
-                seq.spec.accepted += len(path)
-                seq.spec.count_accepted(len(path))
+                seq.spec.count_step(len(tree), len(path))
                 self.stats.drafted_tokens += len(tree)
                 self.stats.accepted_tokens += len(path)
                 last = path[-1] if path else -1
-                self._observe(seq, len(path), rejected=last in tree.parents)
+                rejected = last in tree.parents
+                self._observe(seq, len(path), rejected)
                 seq.shadow = None
+                sample = AcceptanceStats.of_step(len(tree), len(path), rejected, self._last_wait)
+                add(samples, (seq.spec.proposer, seq.req.spec.workload_tag), sample)
+                add(verified, seq.spec.proposer, sample)
             before = len(seq.output)
             emitted = [tree.tokens[k] for k in path] + [bonus]
             if seq.shadow is not None and not len(tree):
-                self._follow_shadow(seq, emitted)
+                shadow = self._follow_shadow(seq, emitted)
+                if shadow is not None:
+                    add(samples, (seq.spec.proposer, seq.req.spec.workload_tag), shadow)
             self._append(seq, emitted)
             if seq.session is not None and not seq.done:
                 seq.session.advance(seq.output[before:])
+        self._record(samples, verified)
+        if self.router is not None:
+            for seq in seqs:
+                if not seq.done and seq.req.spec.proposer != "none" and seq.steps % self.config.redecide_steps == 0:
+                    self._redecide(seq, len(seqs))
+
+    def _record(self, samples: dict[tuple[str, str], AcceptanceStats], verified: dict[str, AcceptanceStats]) -> None:
+        """This step's acceptance into the router's statistics (buffered locally, flushed in the
+        background) and the Prometheus counters: one call per proposer, never per token."""
+        if self.router is not None:
+            for (proposer, tag), sample in samples.items():
+                self.router.record(proposer, tag, sample)
+        if self.metrics is not None:
+            for proposer, s in verified.items():
+                self.metrics.speculation(proposer, int(s.steps), int(s.drafted), int(s.accepted), s.hits, s.trials)
+
+    def _redecide(self, seq: _Sequence, batch: int) -> None:
+        """The router revisits the request's proposer and k; a new proposer's stream starts lazily."""
+        spec = seq.req.spec
+        current = seq.spec.proposer if seq.session is not None else None
+        d = self.router.decide(spec.proposer, spec.workload_tag, spec.num_speculative_tokens, batch, current)
+        if self.metrics is not None:
+            self.metrics.decision(d.proposer, d.speculate)
+        seq.k_cap = d.k if self.step_cost is not None else -1  # --spec-gating always: no cap
+        if d.proposer in ("none", current) or d.proposer in seq.failed_proposers or self.open_session is None:
+            return
+        new = self.open_session(seq.req, d.proposer, [*seq.req.prompt_ids, *seq.output])
+        if new is None:
+            return
+        if seq.session is not None:
+            self.stats.invalid_trees += seq.session.invalid_trees
+            seq.spec.invalid_trees += seq.session.invalid_trees
+            if self.metrics is not None:
+                self.metrics.invalid_tree(seq.session.name, seq.session.invalid_trees)
+            seq.session.close()
+        log.info("request %s: proposer %s → %s", seq.req.request_id, current or "none", d.proposer)
+        seq.session, seq.spec.proposer = new, d.proposer
+        seq.spec.per_proposer.setdefault(d.proposer, [0, 0, 0])
+        seq.last_tree, seq.shadow = time.perf_counter(), None
+        seq.accept_s, seq.accept_t = 2.0 * self.router.mean_alpha(d.proposer, spec.workload_tag), 2.0
 
     def _collect_trees(self, seqs: list[_Sequence]) -> list[TokenTree]:
         """Each request's tree for its current context; waits at most ``proposer_wait_ms`` for all."""
@@ -401,7 +491,7 @@ class Engine:
                 self._drop_session(seq, seq.session.failed)
         # Wait for trees only where speculation may pay this step (by the cost model); others use
         # a tree only if it is already there (it still feeds the acceptance estimate).
-        promising = [s for s in seqs if s.session is not None]
+        promising = [s for s in seqs if s.session is not None and s.k_cap != 0]
         if self.step_cost is not None and promising:
             chains = [  # as if every live proposer sent a full chain
                 self._expected_by_width(s, list(range(-1, s.session.limits.max_depth - 1))) if s.session else [0.0]
@@ -411,18 +501,24 @@ class Engine:
                 promising = []
         wanted = [(s.session, s.context_length) for s in promising]
         waited = wait_for_trees(self.trees_arrived, wanted, self.config.proposer_wait_ms / 1e3) if wanted else 0.0
+        self._last_wait = waited
         now = time.perf_counter()
         trees = []
         for seq in seqs:
             tree = None
             if seq.session is not None:
                 seq.spec.wait_s += waited
-                tree = seq.session.take(seq.context_length)
+                recent = seq.output[-self.config.recent_tokens :] if seq.req.temperature == 0 else None
+                tree = seq.session.take(seq.context_length, recent)
                 if tree is not None:
                     seq.last_tree = now
-                elif now - seq.last_tree > self.config.proposer_timeout_s:
+                    if 0 <= seq.k_cap < len(tree):  # the router's cap; a skipped tree still scores
+                        if seq.k_cap == 0 and seq.shadow is None:
+                            seq.shadow = (tree, 0, 0)
+                        tree = truncate(tree, seq.k_cap)
+                elif now - max(seq.last_tree, seq.session.last_response) > self.config.proposer_timeout_s:
                     self._drop_session(
-                        seq, f"proposer {seq.spec.proposer!r} sent no tree for {self.config.proposer_timeout_s} s"
+                        seq, f"proposer {seq.spec.proposer!r} answered nothing for {self.config.proposer_timeout_s} s"
                     )
             if tree is None or seq.length + 1 + len(tree) > self.max_context:
                 tree = _EMPTY_TREE
@@ -466,8 +562,9 @@ class Engine:
         seq.accept_s += _EWMA * (accepted - seq.accept_s)
         seq.accept_t += _EWMA * (accepted + rejected - seq.accept_t)
 
-    def _follow_shadow(self, seq: _Sequence, emitted: list[int]) -> None:
-        """Walk a skipped tree along the emitted tokens; its would-be acceptance updates the EWMA."""
+    def _follow_shadow(self, seq: _Sequence, emitted: list[int]) -> AcceptanceStats | None:
+        """Walk a skipped tree along the emitted tokens; its would-be acceptance updates the EWMA
+        (and, once decided, is returned as a sample for the router's statistics)."""
         tree, node, matched = seq.shadow
         rejected = False
         for tok in emitted:
@@ -480,23 +577,34 @@ class Engine:
                 break
         else:
             seq.shadow = (tree, node, matched)  # still inside the tree: wait for more tokens
-            return
+            return None
         seq.shadow = None
         self._observe(seq, matched, rejected)
+        return AcceptanceStats.of_step(len(tree), matched, rejected)
 
     def _drop_session(self, seq: _Sequence, reason: str) -> None:
         seq.spec.fallback_reason = reason
         if seq.session is not None:
-            seq.spec.invalid_trees = seq.session.invalid_trees
+            seq.spec.invalid_trees += seq.session.invalid_trees
             self.stats.invalid_trees += seq.session.invalid_trees
             seq.session.fail(reason)
             self.stats.proposer_fallbacks += 1
+            seq.failed_proposers.add(seq.session.name)
+            if self.metrics is not None:
+                self.metrics.fallback(seq.session.name, reason)
+                self.metrics.invalid_tree(seq.session.name, seq.session.invalid_trees)
         seq.session = None
 
     def _accept(
         self, seqs: list[_Sequence], trees: list[TokenTree], logits: torch.Tensor, counts: list[int]
     ) -> list[tuple[list[int], int]]:
-        """(accepted node path, bonus token) per request, losslessly (see ``acceptance``)."""
+        """(accepted node path, bonus token) per request, losslessly (see ``acceptance``).
+
+        On CUDA the whole batch is walked on the device (``kernels.tree_accept``, same uniforms and
+        rules as the host walk) with one device-to-host copy; elsewhere on the host.
+        """
+        if logits.device.type == "cuda" and max(len(t) for t in trees) <= _KERNEL_MAX_NODES:
+            return self._accept_on_device(seqs, trees, logits)
         argmax = logits.argmax(dim=-1).tolist()  # one host copy for every greedy decision
         starts = [0]
         for c in counts:
@@ -535,6 +643,28 @@ class Engine:
                 offset += counts[i]
         return results  # type: ignore[return-value]
 
+    @staticmethod
+    def _accept_on_device(
+        seqs: list[_Sequence], trees: list[TokenTree], logits: torch.Tensor
+    ) -> list[tuple[list[int], int]]:
+        from kernels.tree_accept import PackedTrees, tree_accept, unpack_result
+
+        dev, req = logits.device, [s.req for s in seqs]
+        packed = PackedTrees.from_lists(
+            [t.tokens for t in trees], [t.parents for t in trees], [t.dists for t in trees], device=dev
+        )
+        out = tree_accept(
+            logits,
+            packed,
+            torch.tensor([r.temperature for r in req], device=dev),
+            torch.tensor([r.top_p for r in req], device=dev),
+            torch.tensor([r.top_k for r in req], device=dev),
+            torch.tensor([r.seed for r in req], device=dev),
+            torch.tensor([s.context_length for s in seqs], device=dev),  # the host walk's uniform counters
+            max_nodes=max(len(t) for t in trees),
+        )
+        return unpack_result(out.cpu())  # the step's one device-to-host copy
+
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[int]:
         dev = logits.device
         temperature = torch.tensor([s.req.temperature for s in seqs], device=dev)
@@ -559,6 +689,8 @@ class Engine:
             if reason:
                 break
         self.stats.generated_tokens += len(emitted)
+        if self.metrics is not None:
+            self.metrics.tokens(len(emitted))
         text = seq.stopper.push(seq.detok.push(emitted))
         if seq.stopper.matched is not None:
             reason = "stop"
@@ -571,7 +703,11 @@ class Engine:
     def _finish(self, seq: _Sequence, reason: str) -> None:
         now = time.perf_counter()
         if seq.session is not None:
-            seq.spec.invalid_trees = seq.session.invalid_trees
+            seq.spec.invalid_trees += seq.session.invalid_trees
+            if self.metrics is not None:
+                self.metrics.invalid_tree(seq.session.name, seq.session.invalid_trees)
+        if self.metrics is not None:
+            self.metrics.request_finished("ok", len(seq.req.prompt_ids), ttft_s=seq.first_token - seq.arrival)
         seq.sink(
             FinishEvent(
                 finish_reason=reason,

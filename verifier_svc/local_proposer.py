@@ -10,9 +10,10 @@ process. The proposer services remain the scalable path.
 from __future__ import annotations
 
 import threading
+import time
 
 from proposer_svc.ngram import NgramConfig, NgramIndex
-from verifier_svc.proposer_client import ProposerLimits
+from verifier_svc.proposer_client import ProposerLimits, Stored, serve_tree
 from verifier_svc.tree import TokenTree
 
 INPROCESS_PREFIX = "inprocess:"
@@ -43,13 +44,12 @@ class LocalProposerSession:
         self.last_invalid = ""
         self._arrived = arrived
         self._index = NgramIndex(NgramConfig(max_nodes=limits.max_nodes, max_depth=limits.max_depth))
-        self._tree: tuple[int, TokenTree] | None = None
+        self._tree: Stored = None
+        self.last_response = time.perf_counter()
         self.advance(prompt)
 
-    def take(self, context_length: int) -> TokenTree | None:
-        if self._tree is None or self._tree[0] != context_length:
-            return None
-        tree, self._tree = self._tree[1], None
+    def take(self, context_length: int, recent: list[int] | None = None) -> TokenTree | None:
+        tree, self._tree = serve_tree(self._tree, context_length, recent)
         return tree
 
     def has_tree_for(self, context_length: int) -> bool:
@@ -59,6 +59,7 @@ class LocalProposerSession:
         self._index.extend(tokens)
         toks, parents = self._index.propose(self.limits.max_nodes, self.limits.max_depth)
         self._tree = (self._index.context_length, TokenTree(toks, parents))
+        self.last_response = time.perf_counter()
 
     def fail(self, reason: str) -> None:
         if self.failed is None:

@@ -28,7 +28,11 @@ def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, max_context: int) -> None:
+    def __init__(
+        self, model: Any, device: torch.device, dtype: torch.dtype, max_context: int, tree_kernel: bool | None = None
+    ) -> None:
+        """``tree_kernel``: attention through the Triton tree-attention kernel (``kernels.hf_attention``);
+        default on CUDA only. Elsewhere the model keeps its SDPA path."""
         self.model = model
         self.decoder = model.get_decoder()  # the base model: hidden states, no lm_head
         self.lm_head = model.get_output_embeddings()
@@ -46,6 +50,11 @@ class ModelRunner:
             device=device,
             seq_limit=max_context,
         )
+        self.tree_kernel = device.type == "cuda" if tree_kernel is None else tree_kernel
+        if self.tree_kernel:
+            from kernels.hf_attention import register
+
+            model.set_attn_implementation(register())
 
     @torch.inference_mode()
     def forward(
@@ -62,7 +71,15 @@ class ModelRunner:
         (cache slots for the new tokens; defaults to ``positions``) → [b, n, hidden].
         """
         kv_len = mask.shape[-1]
-        self.cache.begin_forward(rows, positions if write_pos is None else write_pos, kv_len)
+        write_pos = positions if write_pos is None else write_pos
+        self.cache.begin_forward(rows, write_pos, kv_len)
+        tree: dict[str, Any] = {}
+        if self.tree_kernel:  # the kernel's form of the mask, or SDPA with the dense mask for this forward
+            from kernels.hf_attention import META_KWARG, tree_meta_from_mask
+
+            meta = tree_meta_from_mask(mask, write_pos)
+            if meta is not None:
+                tree[META_KWARG] = meta
         attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
         attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
         out = self.decoder(
@@ -71,6 +88,7 @@ class ModelRunner:
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
+            **tree,
         )
         return out.last_hidden_state
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
-from verifier_svc.tree import InvalidTree, TokenTree, validate_tree
+from verifier_svc.tree import InvalidTree, TokenTree, rebase, validate_tree
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class ProposerSession:
         self.invalid_trees = 0
         self.last_invalid = ""
         self._task: asyncio.Task | None = None
+        self.last_response = time.perf_counter()  # liveness: any answer, even one for an old context
 
     # --- asyncio side ---------------------------------------------------------------------
     def open(self) -> None:
@@ -90,15 +91,18 @@ class ProposerSession:
             tree = TokenTree([], [])  # answered, but nothing usable this step
         with self._arrived:
             self._tree = (resp.context_length, tree)
+            self.last_response = time.perf_counter()
             self._arrived.notify_all()
 
     # --- engine thread --------------------------------------------------------------------
-    def take(self, context_length: int) -> TokenTree | None:
-        """The tree for exactly this context, if it has arrived (consumed)."""
+    def take(self, context_length: int, recent: list[int] | None = None) -> TokenTree | None:
+        """The tree for exactly this context, if it has arrived (consumed).
+
+        ``recent``: the context's last tokens, for a greedy request: a tree for an older context
+        is then re-rooted below the tokens accepted since (``tree.rebase``), when it predicted them.
+        """
         with self._arrived:
-            if self._tree is None or self._tree[0] != context_length:
-                return None
-            tree, self._tree = self._tree[1], None
+            tree, self._tree = serve_tree(self._tree, context_length, recent)
             return tree
 
     def has_tree_for(self, context_length: int) -> bool:
@@ -125,6 +129,34 @@ class ProposerSession:
             self._outbox.put_nowait(None)
 
         self.loop.call_soon_threadsafe(_end)
+
+
+Stored = tuple[int, TokenTree] | None  # (context length the tree was proposed for, tree)
+
+
+def serve_tree(got: Stored, context_length: int, recent: list[int] | None) -> tuple[TokenTree | None, Stored]:
+    """(the tree for ``context_length`` or None, what stays stored).
+
+    An exact match is consumed; an older tree is re-rooted on the tokens accepted since (``recent``:
+    the context's last tokens; deterministic trees only) and consumed; a newer one stays.
+
+    >>> t = TokenTree([5, 6], [-1, 0])
+    >>> serve_tree((10, t), 10, None)[0] is t
+    True
+    >>> serve_tree((10, t), 11, [9, 5])
+    (TokenTree(tokens=[6], parents=[-1], dists=None), None)
+    >>> serve_tree((10, t), 11, None)[0] is None
+    True
+    """
+    if got is None:
+        return None, None
+    ctx, tree = got
+    if ctx == context_length:
+        return tree, None
+    behind = context_length - ctx
+    if recent is None or not 0 < behind <= len(recent) or tree.dists is not None:
+        return None, got if behind < 0 else None
+    return rebase(tree, recent[-behind:]), None
 
 
 def wait_for_trees(arrived: threading.Condition, wanted: list[tuple[ProposerSession, int]], budget_s: float) -> float:

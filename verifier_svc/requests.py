@@ -16,6 +16,7 @@ from specmesh.v1 import generation_pb2
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
+MAX_TAG_CHARS = 64
 BUILTIN_PROPOSERS = ("ngram", "draft", "rag")
 
 
@@ -147,5 +148,9 @@ def _spec(msg: generation_pb2.GenerateRequest, limits: RequestLimits) -> SpecReq
     if not 0 <= p.max_tree_nodes <= limits.max_tree_nodes:
         raise InvalidRequest(
             "spec_decode.max_tree_nodes", f"must be in [0, {limits.max_tree_nodes}], got {p.max_tree_nodes}"
+        )
+    if len(p.workload_tag) > MAX_TAG_CHARS or not p.workload_tag.isprintable():
+        raise InvalidRequest(
+            "spec_decode.workload_tag", f"must be printable and at most {MAX_TAG_CHARS} characters (it keys statistics)"
         )
     return SpecRequest(name, p.num_speculative_tokens, p.max_tree_nodes, p.workload_tag, p.corpus)

@@ -6,10 +6,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
-from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
+from router.policy import PolicyStore, SpeculationPolicy
+from router.selection import Router, SelectionConfig, step_time_from
+from router.stats import StatsBackend, StatsConfig, open_stats
+from specmesh.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics, start_metrics_server
 from specmesh.model_loading import tokenizer_hash
 from specmesh.serving import new_server, serve
 from specmesh.v1 import (
@@ -52,34 +56,56 @@ DEFAULT_TREE_NODES = 16
 DEFAULT_TREE_DEPTH = 12
 
 
+@dataclass(frozen=True)
+class ProposerTiers:
+    """How the verifier reaches each configured proposer."""
+
+    stubs: dict[str, proposer_pb2_grpc.ProposerServiceStub]  # gRPC services (dns:/// balances replicas)
+    local: tuple[str, ...] = ()  # served in this process (verifier_svc/local_proposer.py)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stubs or name in self.local
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(
         self,
         engine: Engine,
         tokenizer: object,
         limits: RequestLimits,
-        policy: PolicyStore,
-        proposers: dict[str, proposer_pb2_grpc.ProposerServiceStub],
+        router: Router,
+        tiers: ProposerTiers,
         vocab: proposer_pb2.VocabIdentity,
         model_name: str,
-        local_proposers: tuple[str, ...] = (),
-        auto_proposers: tuple[str, ...] | None = None,
+        loop: asyncio.AbstractEventLoop,
+        metrics: VerifierMetrics | None = None,
+        router_caps: bool = True,
     ) -> None:
-        self.engine, self.tokenizer, self.limits, self.policy = engine, tokenizer, limits, policy
-        self.proposers, self.vocab, self.model_name = proposers, vocab, model_name
-        self.local_proposers = local_proposers  # names served in-process (verifier_svc/local_proposer.py)
-        self.auto_proposers = limits.configured_proposers if auto_proposers is None else auto_proposers
+        self.engine, self.tokenizer, self.limits, self.router = engine, tokenizer, limits, router
+        self.tiers, self.vocab, self.model_name, self.loop = tiers, vocab, model_name, loop
+        self.metrics = metrics
+        self.router_caps = router_caps  # False (--spec-gating always): the router picks proposers, not k
 
-    def _open_session(self, req: GenerationRequest, proposer: str) -> ProposerSession:
-        policy = self.policy.get()
+    def open_session(
+        self, req: GenerationRequest, proposer: str, context: list[int] | None = None
+    ) -> ProposerSession | LocalProposerSession | None:
+        """A proposer stream for ``req`` starting at ``context`` (default: the prompt). Any thread:
+        the engine opens one lazily when the router switches a request's proposer."""
+        if proposer not in self.tiers:
+            return None
+        policy = self.router.policy.get()
         nodes = req.spec.max_tree_nodes or policy.max_tree_nodes or DEFAULT_TREE_NODES
         depth = req.spec.num_speculative_tokens or policy.num_speculative_tokens or DEFAULT_TREE_DEPTH
         if policy.num_speculative_tokens:
             depth = min(depth, policy.num_speculative_tokens)
         nodes = min(nodes, self.limits.max_tree_nodes)
+        context = list(req.prompt_ids) if context is None else context
+        limits = ProposerLimits(vocab_size=self.limits.vocab_size, max_nodes=nodes, max_depth=depth)
+        if proposer in self.tiers.local:
+            return LocalProposerSession(proposer, context, limits, self.engine.trees_arrived)
         start = proposer_pb2.ProposeStart(
             request_id=req.request_id,
-            prompt_token_ids=req.prompt_ids,
+            prompt_token_ids=context,
             budget=proposer_pb2.TreeBudget(max_nodes=nodes, max_depth=depth),
             sampling=proposer_pb2.ProposalSampling(
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed
@@ -89,13 +115,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             workload_tag=req.spec.workload_tag,
             corpus=req.spec.corpus,
         )
-        limits = ProposerLimits(vocab_size=self.limits.vocab_size, max_nodes=nodes, max_depth=depth)
-        if proposer in self.local_proposers:
-            return LocalProposerSession(proposer, list(req.prompt_ids), limits, self.engine.trees_arrived)
-        session = ProposerSession(
-            proposer, self.proposers[proposer], asyncio.get_running_loop(), start, limits, self.engine.trees_arrived
-        )
-        session.open()
+        stub = self.tiers.stubs[proposer]
+        session = ProposerSession(proposer, stub, self.loop, start, limits, self.engine.trees_arrived)
+        self.loop.call_soon_threadsafe(session.open)
         return session
 
     async def Generate(
@@ -104,19 +126,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             req = build_request(request, self.tokenizer, self.limits)
         except InvalidRequest as exc:
+            if self.metrics is not None:
+                self.metrics.request_finished("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ProposerNotConfigured as exc:
+            if self.metrics is not None:
+                self.metrics.request_finished("invalid")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        choice = resolve_proposer(req.spec.proposer, self.policy.get(), self.auto_proposers)
+        running, _ = self.engine.counts()
+        spec = req.spec
+        d = self.router.decide(spec.proposer, spec.workload_tag, spec.num_speculative_tokens, batch=running + 1)
+        if self.metrics is not None:
+            self.metrics.decision(d.proposer, d.speculate)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        known = choice.proposer in self.proposers or choice.proposer in self.local_proposers
-        session = self._open_session(req, choice.proposer) if known else None
+        session = self.open_session(req, d.proposer)
+        prior = self.router.mean_alpha(d.proposer, spec.workload_tag) if session is not None else None
         try:
-            self.engine.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), session)
+            self.engine.submit(
+                req,
+                lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                session,
+                k_cap=d.k if self.router_caps else -1,
+                prior_alpha=prior,
+            )
         except (EngineFull, EngineStopped) as exc:
             if session is not None:
                 session.close()
+            if self.metrics is not None:
+                self.metrics.request_finished("rejected")
             if isinstance(exc, EngineFull):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many concurrent requests: {exc}")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -130,7 +168,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if isinstance(ev, FinishEvent):
                     finished = True
                     yield generation_pb2.GenerateResponse(
-                        request_id=req.request_id, summary=_summary(ev, choice.reason)
+                        request_id=req.request_id, summary=_summary(ev, d.reason if d.proposer == "none" else "")
                     )
                     return
                 chunk = generation_pb2.TokenChunk(token_ids=ev.token_ids, text=ev.text)
@@ -142,12 +180,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
 def _summary(ev: FinishEvent, fallback_reason: str) -> generation_pb2.GenerationSummary:
     emitted_after_prefill = max(ev.completion_tokens - 1, 0)
-    per_proposer = {}
     spec = ev.spec
-    if spec.proposer != "none":
-        per_proposer[spec.proposer] = params_pb2.ProposerMetrics(
-            steps=spec.steps, drafted_tokens=spec.drafted, accepted_tokens=spec.accepted
-        )
+    per_proposer = {
+        name: params_pb2.ProposerMetrics(steps=c[0], drafted_tokens=c[1], accepted_tokens=c[2])
+        for name, c in spec.per_proposer.items()
+    }
     return generation_pb2.GenerationSummary(
         finish_reason=_FINISH[ev.finish_reason],
         usage=generation_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
@@ -170,9 +207,44 @@ def _summary(ev: FinishEvent, fallback_reason: str) -> generation_pb2.Generation
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, engine: Engine, policy: PolicyStore, model: str, device: str, dtype: str) -> None:
+    def __init__(
+        self, engine: Engine, policy: PolicyStore, model: str, device: str, dtype: str, stats: StatsBackend
+    ) -> None:
         self.engine, self.policy = engine, policy
         self.model, self.device, self.dtype = model, device, dtype
+        self.router_stats = stats
+
+    async def GetRouterStats(
+        self, request: admin_pb2.GetRouterStatsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetRouterStatsResponse:
+        model, proposer, tag = request.model or self.model, request.proposer.lower(), request.workload_tag
+        rows = []
+        for key, s in sorted(self.router_stats.snapshot().items(), key=lambda kv: (kv[0].proposer, kv[0].workload_tag)):
+            if key.model != model or (proposer and key.proposer != proposer) or (tag and key.workload_tag != tag):
+                continue
+            rows.append(
+                admin_pb2.RouterStats(
+                    model=key.model,
+                    proposer=key.proposer,
+                    workload_tag=key.workload_tag,
+                    steps=s.steps,
+                    drafted_tokens=s.drafted,
+                    accepted_tokens=s.accepted,
+                    accepted_per_step=s.accepted_per_step,
+                    drafted_per_step=s.drafted_per_step,
+                    proposer_wait_ms_per_step=s.proposer_s_per_step * 1e3,
+                    position_trials=list(s.trials),
+                    position_accepted=list(s.hits),
+                )
+            )
+        status = self.router_stats.status()
+        return admin_pb2.GetRouterStatsResponse(
+            backend=status.backend,
+            connected=status.connected,
+            detail=status.detail,
+            half_life_s=self.router_stats.config.half_life_s,
+            stats=rows,
+        )
 
     async def GetStats(
         self, request: admin_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -265,12 +337,17 @@ async def run(config: VerifierConfig) -> None:
             f"{t}:{s / step_cost.seconds[0]:.1f}x" for t, s in zip(step_cost.tokens, step_cost.seconds, strict=True)
         )
         print(f"verifier: step cost by new tokens (vs 1) {ratios}", flush=True)
-    engine = Engine(runner, lm.tokenizer, eos_token_ids(lm.model, lm.tokenizer), max_context, config.engine, step_cost)
-    engine.start()
     names = tuple(name for name, _ in config.proposers)
     limits = RequestLimits(max_context=max_context, vocab_size=runner.vocab_size, configured_proposers=names)
     policy = PolicyStore(names)
-
+    stats = open_stats(
+        StatsConfig(redis_url=config.redis_url, key_prefix=config.stats_prefix, half_life_s=config.stats_half_life_s)
+    )
+    # Without a measured cost (no proposers, or --spec-gating always) every k costs alike: speculate.
+    step_time = step_time_from(step_cost) if step_cost is not None else (lambda rows, width: 1.0)
+    selection = SelectionConfig(exploration=config.exploration)
+    router = Router(stats, lm.name, config.auto_proposers or names, policy, step_time, selection)
+    metrics = VerifierMetrics()
     # One channel per proposer tier; dns:/// names of headless services balance across replicas.
     local = tuple(name for name, addr in config.proposers if inprocess_kind(addr))
     channels = {
@@ -278,19 +355,44 @@ async def run(config: VerifierConfig) -> None:
         for name, addr in config.proposers
         if name not in local
     }
-    stubs = {name: proposer_pb2_grpc.ProposerServiceStub(ch) for name, ch in channels.items()}
+    tiers = ProposerTiers({name: proposer_pb2_grpc.ProposerServiceStub(ch) for name, ch in channels.items()}, local)
     vocab = proposer_pb2.VocabIdentity(
         vocab_size=runner.vocab_size,
         tokenizer_hash=tokenizer_hash(lm.tokenizer),
         eos_token_ids=sorted(eos_token_ids(lm.model, lm.tokenizer)),
     )
-    server = new_server()
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(engine, lm.tokenizer, limits, policy, stubs, vocab, lm.name, local, config.auto_proposers),
-        server,
+    engine = Engine(
+        runner,
+        lm.tokenizer,
+        eos_token_ids(lm.model, lm.tokenizer),
+        max_context,
+        config.engine,
+        step_cost,
+        router=router,
+        metrics=metrics,
     )
+    metrics.track_queue(engine.counts)
+    REGISTRY.register(RouterStatsCollector(stats, model=lm.name))
+    metrics_server = start_metrics_server(config.metrics_port)
+    generation = GenerationServicer(
+        engine,
+        lm.tokenizer,
+        limits,
+        router,
+        tiers,
+        vocab,
+        lm.name,
+        asyncio.get_running_loop(),
+        metrics,
+        router_caps=step_cost is not None,
+    )
+    engine.open_session = generation.open_session
+    engine.start()
+    server = new_server()
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
+    dtype = str(lm.dtype).removeprefix("torch.")
     admin_pb2_grpc.add_AdminServiceServicer_to_server(
-        AdminServicer(engine, policy, lm.name, str(lm.device), str(lm.dtype).removeprefix("torch.")), server
+        AdminServicer(engine, policy, lm.name, str(lm.device), dtype, stats), server
     )
     services = [
         generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
@@ -307,6 +409,9 @@ async def run(config: VerifierConfig) -> None:
         await serve(server, config.address, services, on_drain=drain, grace_s=config.grace_s, ready_message="verifier")
     finally:
         engine.shutdown()
+        stats.close()
+        if metrics_server is not None:
+            metrics_server.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,6 +50,33 @@ def truncate(tree: TokenTree, n: int) -> TokenTree:
     return TokenTree(tree.tokens[:n], tree.parents[:n], tree.dists[:n] if tree.dists is not None else None)
 
 
+def rebase(tree: TokenTree, tokens: list[int]) -> TokenTree | None:
+    """The part of ``tree`` below the path spelled by ``tokens`` (which the context has since
+    gained), re-rooted: a proposal that arrived a step late is still good where it guessed right.
+    None when the path leaves the tree. Only for deterministic trees (greedy requests).
+
+    >>> t = TokenTree([5, 6, 7, 8, 9], [-1, 0, 1, 0, -1])   # 5→6→7, 5→8, 9
+    >>> rebase(t, [5, 6])
+    TokenTree(tokens=[7], parents=[-1], dists=None)
+    >>> rebase(t, [5]).parents, rebase(t, [5]).tokens
+    ([-1, 0, -1], [6, 7, 8])
+    >>> rebase(t, [4]) is None
+    True
+    """
+    node = -1
+    for tok in tokens:
+        node = next((i for i, p in enumerate(tree.parents) if p == node and tree.tokens[i] == tok), None)
+        if node is None:
+            return None
+    keep: dict[int, int] = {}  # old index → new index, for the descendants of ``node``
+    parents: list[int] = []
+    for i, p in enumerate(tree.parents):
+        if p == node or p in keep:
+            keep[i] = len(parents)
+            parents.append(-1 if p == node else keep[p])
+    return TokenTree([tree.tokens[i] for i in keep], parents)
+
+
 def validate_tree(tree: TokenTree, vocab_size: int, max_nodes: int, max_depth: int) -> list[int]:
     """Raise InvalidTree saying what is wrong; return the node depths.
 

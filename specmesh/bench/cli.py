@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=2, help="prompts per category")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1", help="comma list of concurrent streams, e.g. 1,8,32")
+    p.add_argument("--mix", action="store_true", help="at concurrency > 1, waves mix all categories")
     p.add_argument("--sampling", default="greedy", help="comma list of greedy, sampled")
     p.add_argument("--temperature", type=float, default=1.0, help="for sampled runs")
     p.add_argument("--pld-sweep", default="3,5,10", help="prompt_lookup_num_tokens values for hf-pld (best is kept)")
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         temperature=a.temperature,
         pld_sweep=tuple(int(k) for k in _csv(a.pld_sweep)),
         corpus=a.corpus,
+        mix=a.mix,
     )
     with ExitStack() as stack:
         oracle = None

@@ -95,8 +95,8 @@ def _paired_ratio(a: dict[tuple, float], b: dict[tuple, float]) -> float | None:
 def summarize(records: list[dict]) -> list[Row]:
     records = best_pld(records)
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in records:
-        groups[(r["sampling"], r["concurrency"], r["category"], r["mode"])].append(r)
+    for r in records:  # "group": the category, or "mix" for waves that mix categories
+        groups[(r["sampling"], r["concurrency"], r.get("group", r["category"]), r["mode"])].append(r)
     rows: dict[tuple, Row] = {}
     for (sampling, c, cat, mode), rs in groups.items():
         tput = _throughput(rs)

@@ -43,6 +43,7 @@ class RunConfig:
     temperature: float = 1.0  # for sampled runs
     pld_sweep: tuple[int, ...] = (3, 5, 10)
     corpus: str = ""  # SpecDecodeParams.corpus for the rag mode
+    mix: bool = False  # concurrency > 1: waves mix every category (a realistic stream) instead of one each
 
 
 def mode_order(modes: tuple[str, ...], turn: int) -> list[str]:
@@ -153,6 +154,22 @@ def _record(prompt: BenchPrompt, mode: str, sampling: str, concurrency: int, wav
     return rec
 
 
+def mixed(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
+    """Categories interleaved round-robin: a wave of c requests mixes c categories.
+
+    >>> ps = [BenchPrompt(c, i, "", "", "", ()) for c, i in (("a", 0), ("a", 1), ("b", 0))]
+    >>> [(p.category, p.index) for p in mixed(ps)]
+    [('a', 0), ('b', 0), ('a', 1)]
+    """
+    by: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        by.setdefault(p.category, []).append(p)
+    out = []
+    for i in range(max(len(v) for v in by.values())):
+        out.extend(v[i] for v in by.values() if i < len(v))
+    return out
+
+
 def first_mismatch(reference: list[int], other: list[int]) -> int | None:
     """Index of the first differing token (or length difference); None if identical.
 
@@ -201,6 +218,7 @@ class BenchRunner:
                     total += len(prompts) * per_prompt
                 else:
                     sizes = [sum(p.category == cat for p in prompts) for cat in {p.category for p in prompts}]
+                    sizes = [len(prompts)] if self.config.mix else sizes
                     total += sum(-(-n // c) for n in sizes) * c * per_prompt
         return total
 
@@ -225,10 +243,17 @@ class BenchRunner:
                 if c == 1:
                     for i, p in enumerate(prompts):
                         yield from self._group([p], mode_order(tuple(modes), i), sampling, 1, i)
-                else:  # waves of c requests of one category (its prompts cycled to fill the wave)
+                else:  # waves of c requests of one category (its prompts cycled to fill the wave), or mixed
                     w = 0
-                    for cat in dict.fromkeys(p.category for p in prompts):
-                        ps = [p for p in prompts if p.category == cat]
+                    groups = (
+                        [mixed(prompts)]
+                        if self.config.mix
+                        else [
+                            [p for p in prompts if p.category == cat]
+                            for cat in dict.fromkeys(p.category for p in prompts)
+                        ]
+                    )
+                    for ps in groups:
                         for k in range(-(-len(ps) // c)):
                             wave = [ps[(k * c + j) % len(ps)] for j in range(c)]
                             yield from self._group(wave, mode_order(tuple(modes), w), sampling, c, w)
@@ -262,8 +287,9 @@ class BenchRunner:
                 )
             wave_wall = time.perf_counter() - t0
             wave_tps = sum(len(o["token_ids"]) for o in outs) / wave_wall
+            group = "mix" if self.config.mix else wave[0].category
             for j, (p, out) in enumerate(zip(wave, outs, strict=True)):
-                records.append(_record(p, mode, sampling, c, w, slot=j, wave_tokens_per_s=wave_tps, **out))
+                records.append(_record(p, mode, sampling, c, w, slot=j, wave_tokens_per_s=wave_tps, group=group, **out))
         if sampling == "greedy":
             for j in range(len(wave)):  # each prompt of the wave against its own plain output
                 _mark_lossless([r for r in records if r.get("slot", 0) == j], self.corrupt_mode)

@@ -40,6 +40,8 @@ def _build(tokenizer, prompt="Hello", sampling=None, spec=None, chat=False):
         ("hi", None, SpecDecodeParams(proposer="medusa"), "spec_decode.proposer"),
         ("hi", None, SpecDecodeParams(num_speculative_tokens=-1), "spec_decode.num_speculative_tokens"),
         ("hi", None, SpecDecodeParams(max_tree_nodes=10_000), "spec_decode.max_tree_nodes"),
+        ("hi", None, SpecDecodeParams(workload_tag="x" * 65), "spec_decode.workload_tag"),
+        ("hi", None, SpecDecodeParams(workload_tag="a\nb"), "spec_decode.workload_tag"),
     ],
 )
 def test_bad_input_is_rejected_naming_the_field(tokenizer, prompt, sampling, spec, field):

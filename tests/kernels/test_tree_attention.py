@@ -1,0 +1,155 @@
+"""Tree attention: the torch reference equals dense-mask SDPA over the verifier's own layout, and the
+Triton kernel (Triton's interpreter on CPU, compiled on CUDA) equals the reference across batch sizes,
+tree shapes, prefix lengths, GQA ratios, dtypes and key splits, reading the slot cache in place."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.tree_attention import MAX_TREE_ROWS, ancestor_bits, tree_attention, tree_attention_reference
+from verifier_svc.tree import verification_layout
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA GPU: these shapes take minutes in Triton's CPU interpreter"
+)
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def make_batch(
+    seed: int,
+    n_req: int,
+    max_nodes: int,
+    max_prefix: int,
+    n_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    exact: bool = False,
+) -> tuple[tuple, list[list[int]]]:
+    """Random trees in a slot cache whose unused positions hold NaN (reading them would show)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    n_nodes = [max_nodes if exact else rng.randint(0, max_nodes) for _ in range(n_req)]
+    prefixes = [max_prefix if exact else rng.randint(1, max_prefix) for _ in range(n_req)]
+    parents = [[rng.randrange(-1, i) for i in range(n)] for n in n_nodes]
+    seq = max(p + n + 1 for p, n in zip(prefixes, n_nodes, strict=True)) + 3
+    slots_total = n_req + 2
+    k_cache = torch.full((slots_total, kv_heads, seq, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(slots_total, generator=gen)[:n_req]
+    for b in range(n_req):
+        used = prefixes[b] + n_nodes[b] + 1
+        k_cache[slots[b], :, :used] = torch.randn(kv_heads, used, head_dim, generator=gen).to(dtype)
+        v_cache[slots[b], :, :used] = torch.randn(kv_heads, used, head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0] + [n + 1 for n in n_nodes]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu[-1]), n_heads, head_dim, generator=gen).to(dtype)
+    bits = torch.tensor([b for p in parents for b in ancestor_bits(p)], dtype=torch.int64)
+    args = (q, k_cache, v_cache, cu, slots.to(torch.int32), torch.tensor(prefixes, dtype=torch.int32), bits)
+    return tuple(t.to(device) for t in args), parents
+
+
+def test_ancestor_bits_reproduce_the_verification_layout_mask():
+    rng = random.Random(3)
+    for n in (0, 1, 5, 63):
+        parents = [rng.randrange(-1, i) for i in range(n)]
+        _, mask = verification_layout(parents, prefix_len=4)
+        bits = torch.tensor(ancestor_bits(parents))
+        tree_part = ((bits[:, None] >> torch.arange(n + 1)) & 1).bool()
+        assert torch.equal(tree_part, mask[:, 4:])
+
+
+@pytest.mark.parametrize("kv_heads,group", [(4, 1), (2, 3), (1, 8)])
+def test_reference_matches_dense_mask_sdpa_over_the_verification_layout(kv_heads, group):
+    (q, k_cache, v_cache, cu, slots, prefix, bits), parents = make_batch(
+        1, n_req=4, max_nodes=20, max_prefix=70, n_heads=kv_heads * group, kv_heads=kv_heads, head_dim=16,
+        dtype=torch.float32,
+    )  # fmt: skip
+    got = tree_attention_reference(q, k_cache, v_cache, cu, slots, prefix, bits)
+    assert torch.isfinite(got).all()
+    for b, par in enumerate(parents):
+        lo, hi, length = int(cu[b]), int(cu[b + 1]), int(prefix[b])
+        _, mask = verification_layout(par, length)  # [n+1, length+n+1], built by the verifier's own code
+        k = k_cache[slots[b], :, : mask.shape[1]][None]  # [1, kv_heads, kv, dim]
+        v = v_cache[slots[b], :, : mask.shape[1]][None]
+        want = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], k, v, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(got[lo:hi], want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+CASES = {
+    # name: (n_req, max_nodes, max_prefix, n_heads, kv_heads, head_dim, dtype, splits, exact)
+    "decode-1-request-prefix-1": (1, 0, 1, 4, 4, 16, torch.float32, None, True),
+    "trees-gqa3-fp16-3-splits": (3, 12, 300, 6, 2, 32, torch.float16, 3, False),
+    "64-rows-all-bits-gqa8-bf16": (2, MAX_TREE_ROWS - 1, 50, 8, 1, 64, torch.bfloat16, None, True),
+    "64-requests": (64, 3, 40, 1, 1, 16, torch.float32, None, False),
+    "prefix-4096-split-k": (1, 6, 4096, 2, 1, 16, torch.float32, 2, True),
+    "head-dim-not-a-power-of-two": (2, 5, 30, 3, 1, 24, torch.float32, 2, False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name):
+    n_req, nodes, prefix, heads, kv_heads, dim, dtype, splits, exact = CASES[name]
+    args, _ = make_batch(7, n_req, nodes, prefix, heads, kv_heads, dim, dtype, exact=exact)
+    got = tree_attention(*args, num_splits=splits)
+    want = tree_attention_reference(*args)
+    assert got.dtype == dtype and torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_kernel_differs_from_reference_when_a_tree_bit_is_flipped():
+    """The comparison above can fail: one ancestor bit changes the kernel's output for that row."""
+    args, _ = make_batch(11, 1, 6, 20, 2, 1, 16, torch.float32, exact=True)
+    q, k, v, cu, slots, prefix, bits = args
+    want = tree_attention_reference(*args)
+    flipped = bits.clone()
+    flipped[-1] ^= 1 << 1  # the last node now also sees (or stops seeing) node 0
+    got = tree_attention(q, k, v, cu, slots, prefix, flipped)
+    assert (got[-1] - want[-1]).abs().max() > 1e-3
+    torch.testing.assert_close(got[:-1], want[:-1], atol=2e-5, rtol=2e-5)
+
+
+def test_launcher_rejects_bad_shapes_and_dtypes():
+    args, _ = make_batch(2, 2, 3, 10, 4, 2, 16, torch.float32)
+    q, k, v, cu, slots, prefix, bits = args
+    with pytest.raises(TypeError, match="share one of"):
+        tree_attention(q.half(), k, v, cu, slots, prefix, bits)
+    with pytest.raises(TypeError, match="int64"):
+        tree_attention(q, k, v, cu, slots, prefix, bits.int())
+    with pytest.raises(ValueError, match="GQA"):
+        tree_attention(q[:, :3], k, v, cu, slots, prefix, bits)
+    with pytest.raises(ValueError, match="disagree"):
+        tree_attention(q, k, v, cu[:-1], slots, prefix, bits)
+    with pytest.raises(ValueError, match="cache holds"):
+        tree_attention(q, k, v, cu, slots, prefix + k.shape[2], bits)
+    with pytest.raises(ValueError, match="at most 64"):
+        tree_attention(q, k, v, torch.tensor([0, 65], dtype=torch.int32), slots[:1], prefix[:1], bits, max_kv=1)
+
+
+@requires_cuda
+def test_kernel_matches_reference_on_the_gpu_across_the_shape_sweep():
+    """1-64 requests, 1-63 nodes, prefixes 1-4096, GQA 1/3/8, Llama head_dim 128, all dtypes."""
+    for i, (n_req, nodes, prefix, group, dtype) in enumerate(
+        (n, t, p, g, d)
+        for n in (1, 8, 64)
+        for t in (1, 16, 63)
+        for p in (1, 1000, 4096)
+        for g in (1, 3, 8)
+        for d in (torch.float16, torch.bfloat16, torch.float32)
+    ):
+        kv_heads = 8 if group != 3 else 3
+        args, _ = make_batch(i, n_req, nodes, prefix, kv_heads * group, kv_heads, 128, dtype, device="cuda")
+        got = tree_attention(*args)
+        want = tree_attention_reference(*args)
+        torch.testing.assert_close(
+            got.float(),
+            want.float(),
+            atol=TOL[dtype],
+            rtol=TOL[dtype],
+            msg=lambda m, c=(n_req, nodes, prefix, group, dtype): f"{c}: {m}",
+        )
