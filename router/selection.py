@@ -309,10 +309,14 @@ class Router:
         num_speculative_tokens: int = 0,
         batch: int = 1,
         current: str | None = None,
+        exclude: tuple[str, ...] = (),
     ) -> Decision:
-        """Proposer and k for a request (at its start, and again every few steps with ``current``)."""
+        """Proposer and k for a request (at its start, and again every few steps with ``current``).
+
+        ``exclude``: proposers that cannot serve this request (e.g. rag without a corpus)."""
         policy = self.policy.get()
-        names, why = candidates(requested, policy, self.available)
+        available = tuple(n for n in self.available if n not in exclude)
+        names, why = candidates(requested, policy, available)
         baseline = 1.0 / self.step_time(max(batch, 1), 1)
         if not names:
             return Decision("none", 0, baseline, baseline, reason=why)

@@ -87,6 +87,9 @@ def _deployment(args: argparse.Namespace):
         verifier_address=args.verifier_address,
         verifier_threads=args.threads,
         redis_url=args.redis_url,
+        rag_address=args.rag,
+        draft_address=args.draft,
+        draft_model=args.draft_model,
         run_dir=Path(args.run_dir) if args.run_dir else DeploymentConfig().run_dir,
     )
     return LocalDeployment(cfg)
@@ -244,6 +247,11 @@ def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier-address", default=DEFAULT_ADDRESS)
     p.add_argument("--threads", type=int, default=0, help="torch threads of the verifier (0 = default)")
     p.add_argument("--run-dir", default=None, help="where logs and the deployment state file go")
+    p.add_argument(
+        "--rag", default="", metavar="ADDRESS", help="also start the rag proposer here (e.g. 127.0.0.1:50063)"
+    )
+    p.add_argument("--draft", default="", metavar="ADDRESS", help="also start a draft-model proposer here")
+    p.add_argument("--draft-model", default=None, help="the draft's HF folder (default: the target model)")
     p.add_argument(
         "--redis-url",
         default=os.environ.get("SPECMESH_REDIS_URL", ""),

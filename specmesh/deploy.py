@@ -66,6 +66,10 @@ class DeploymentConfig:
     verifier_address: str = "127.0.0.1:50051"
     verifier_threads: int = 0
     ngram_address: str = "127.0.0.1:50061"  # "" = no n-gram proposer
+    rag_address: str = ""  # e.g. 127.0.0.1:50063; "" = no rag proposer
+    rag_data_dir: Path | None = None  # None = $SPECMESH_RAG_DATA_DIR or <cache>/rag
+    draft_address: str = ""  # e.g. 127.0.0.1:50062; "" = no draft proposer
+    draft_model: str | None = None  # the draft's HF folder (default: the target itself)
     max_running: int = 32
     redis_url: str = ""  # router statistics; "" = in the verifier process
     extra_verifier_args: tuple[str, ...] = ()
@@ -95,6 +99,17 @@ class LocalDeployment:
                 Service("ngram", config.ngram_address, [*serve, "ngram", "--address", config.ngram_address])
             )
             verifier_args += ["--proposer", f"ngram={config.ngram_address}"]
+        if config.rag_address:
+            rag = [*serve, "rag", "--address", config.rag_address]
+            rag += ["--model", config.model] if config.model else []
+            rag += ["--data-dir", str(config.rag_data_dir)] if config.rag_data_dir else []
+            proposers.append(Service("rag", config.rag_address, rag))  # `specmesh rag` finds it by this name
+            verifier_args += ["--proposer", f"rag={config.rag_address}"]
+        if config.draft_address:
+            draft = [*serve, "draft", "--address", config.draft_address, "--threads", "1"]
+            draft += ["--model", config.draft_model or config.model] if (config.draft_model or config.model) else []
+            proposers.append(Service("draft", config.draft_address, draft))
+            verifier_args += ["--proposer", f"draft={config.draft_address}"]
         if config.model:
             verifier_args += ["--model", config.model]
         if config.redis_url:

@@ -16,9 +16,9 @@ def test_make_check_protos_passes_on_the_committed_stubs():
 
 
 def test_contract_follows_buf_standard_naming():
-    from specmesh.v1 import admin_pb2, generation_pb2, params_pb2, proposer_pb2
+    from specmesh.v1 import admin_pb2, generation_pb2, params_pb2, proposer_pb2, rag_pb2
 
-    for mod in (admin_pb2, generation_pb2, params_pb2, proposer_pb2):
+    for mod in (admin_pb2, generation_pb2, params_pb2, proposer_pb2, rag_pb2):
         fd = mod.DESCRIPTOR
         assert fd.package == "specmesh.v1"
         for svc in fd.services_by_name.values():

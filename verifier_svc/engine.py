@@ -462,7 +462,9 @@ class Engine:
         """The router revisits the request's proposer and k; a new proposer's stream starts lazily."""
         spec = seq.req.spec
         current = seq.spec.proposer if seq.session is not None else None
-        d = self.router.decide(spec.proposer, spec.workload_tag, spec.num_speculative_tokens, batch, current)
+        d = self.router.decide(
+            spec.proposer, spec.workload_tag, spec.num_speculative_tokens, batch, current, spec.unservable
+        )
         if self.metrics is not None:
             self.metrics.decision(d.proposer, d.speculate)
         seq.k_cap = d.k if self.step_cost is not None else -1  # --spec-gating always: no cap

@@ -23,6 +23,11 @@ from verifier_svc.tree import InvalidTree, TokenTree, rebase, validate_tree
 log = logging.getLogger(__name__)
 
 
+# A proposer ending a stream with these before its first tree refuses the request (bad corpus,
+# foreign tokenizer): the client named it, so the client hears why.
+_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+
 @dataclass(frozen=True)
 class ProposerLimits:
     vocab_size: int
@@ -51,6 +56,8 @@ class ProposerSession:
         self.last_invalid = ""
         self._task: asyncio.Task | None = None
         self.last_response = time.perf_counter()  # liveness: any answer, even one for an old context
+        self.first_reply: asyncio.Future[None] = loop.create_future()  # the first tree, or the stream's end
+        self.refused: tuple[grpc.StatusCode, str] | None = None  # the proposer refused the request itself
 
     # --- asyncio side ---------------------------------------------------------------------
     def open(self) -> None:
@@ -67,13 +74,20 @@ class ProposerSession:
         try:
             async for resp in call:
                 self._receive(resp)
+                if not self.first_reply.done():
+                    self.first_reply.set_result(None)
             if self.failed is None and not self._closed():
                 self.fail("proposer ended the stream")
         except asyncio.CancelledError:
             call.cancel()
         except grpc.aio.AioRpcError as exc:
+            if not self.first_reply.done() and exc.code() in _REFUSALS:
+                self.refused = (exc.code(), exc.details() or "")
             if not self._closed():
                 self.fail(f"{exc.code().name}: {exc.details()}")
+        finally:
+            if not self.first_reply.done():
+                self.first_reply.set_result(None)
 
     def _closed(self) -> bool:
         return self.failed is not None or self._ended

@@ -38,6 +38,11 @@ class SpecRequest:
     workload_tag: str
     corpus: str
 
+    @property
+    def unservable(self) -> tuple[str, ...]:
+        """Proposers ``auto`` must not pick for this request: retrieval needs a corpus to look in."""
+        return () if self.corpus else ("rag",)
+
 
 @dataclass(frozen=True)
 class GenerationRequest:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -135,12 +136,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         running, _ = self.engine.counts()
         spec = req.spec
-        d = self.router.decide(spec.proposer, spec.workload_tag, spec.num_speculative_tokens, batch=running + 1)
+        d = self.router.decide(
+            spec.proposer, spec.workload_tag, spec.num_speculative_tokens, running + 1, exclude=spec.unservable
+        )
         if self.metrics is not None:
             self.metrics.decision(d.proposer, d.speculate)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         session = self.open_session(req, d.proposer)
+        if isinstance(session, ProposerSession) and spec.proposer == d.proposer:  # named by the client
+            with contextlib.suppress(TimeoutError):  # one proposer round trip (~1 ms); slow → no wait
+                await asyncio.wait_for(asyncio.shield(session.first_reply), timeout=0.5)
+            if session.refused is not None:
+                code, details = session.refused
+                session.close()
+                if self.metrics is not None:
+                    self.metrics.request_finished("invalid")
+                await context.abort(code, f"spec_decode.proposer {d.proposer!r} refused the request: {details}")
         prior = self.router.mean_alpha(d.proposer, spec.workload_tag) if session is not None else None
         try:
             self.engine.submit(
