@@ -109,7 +109,8 @@ class LocalDeployment:
             draft = [*serve, "draft", "--address", config.draft_address, "--threads", "1"]
             draft += ["--model", config.draft_model or config.model] if (config.draft_model or config.model) else []
             proposers.append(Service("draft", config.draft_address, draft))
-            verifier_args += ["--proposer", f"draft={config.draft_address}"]
+            # A draft-model proposal takes tens of ms on a CPU (an n-gram one ~1 ms): wait for it.
+            verifier_args += ["--proposer", f"draft={config.draft_address}", "--proposer-wait-ms", "200"]
         if config.model:
             verifier_args += ["--model", config.model]
         if config.redis_url:
@@ -122,6 +123,10 @@ class LocalDeployment:
     @property
     def verifier_address(self) -> str:
         return self.services[-1].address
+
+    @property
+    def services_by_name(self) -> dict[str, Service]:
+        return {s.name: s for s in self.services}
 
     def start(self) -> None:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)

@@ -134,3 +134,32 @@ def assert_greedy_equal(lm, prompt_ids: list[int], got: list[int], want: list[in
     assert margin < 1e-4 * scale, (
         f"greedy mismatch at token {n}: got {got[n]}, want {want[n]}, top-2 margin {margin:.3g} (scale {scale:.3g})"
     )
+
+
+def second_token_counts(client, ids: list[int], spec, n: int, temperature: float) -> tuple[list[tuple[int, ...]], int]:
+    """Sample 2 tokens n times (seeds 0..n-1); the second is decided by a verification step (with a
+    tree when speculation is on). Returns the token pairs and the drafted tokens in all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specmesh import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=2, ignore_eos=True) for s in range(n)]
+    with ThreadPoolExecutor(32) as pool:
+        outs = list(pool.map(lambda p: client.complete(ids, p, spec), params))
+    return [tuple(o.token_ids) for o in outs], sum(o.summary.speculation.drafted_tokens for o in outs)
+
+
+def assert_chi_square(samples, p, label: str = "") -> None:
+    """Pearson chi-square of sampled token ids against distribution ``p`` (cells with expected < 5
+    pooled), at p = 0.001 (Wilson-Hilferty critical value)."""
+    import torch
+
+    counts = torch.bincount(samples, minlength=p.numel()).double()
+    expected = p.double() * len(samples)
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    dof = int(big.sum())
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    assert chi2 < crit, f"{label}: chi2 {chi2:.1f} over {dof} dof (critical {crit:.1f})"

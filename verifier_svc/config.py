@@ -87,6 +87,18 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         help="how the router tries proposers whose statistics are uncertain",
     )
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")), help="Prometheus; 0 = off")
+    p.add_argument(
+        "--proposer-wait-ms",
+        type=float,
+        default=float(_env("PROPOSER_WAIT_MS", "5")),
+        help="longest wait per step for the requests' trees (a draft model needs about its proposal latency)",
+    )
+    p.add_argument(
+        "--proposer-timeout",
+        type=float,
+        default=float(_env("PROPOSER_TIMEOUT_S", "2")),
+        help="seconds without any answer after which a request drops its proposer (and decodes plainly)",
+    )
     p.add_argument("--grace", type=float, default=float(_env("GRACE_S", "30")), help="drain seconds on SIGTERM")
     a = p.parse_args(argv)
     proposers = []
@@ -116,7 +128,13 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         exploration=a.exploration,
         metrics_port=a.metrics_port,
         spec_gating=a.spec_gating,
-        engine=EngineConfig(max_running=a.max_running, max_waiting=a.max_waiting, prefill_chunk_tokens=a.prefill_chunk),
+        engine=EngineConfig(
+            max_running=a.max_running,
+            max_waiting=a.max_waiting,
+            prefill_chunk_tokens=a.prefill_chunk,
+            proposer_wait_ms=a.proposer_wait_ms,
+            proposer_timeout_s=a.proposer_timeout,
+        ),
     )
 
 

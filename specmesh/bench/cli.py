@@ -53,7 +53,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="for sampled runs")
     p.add_argument("--pld-sweep", default="3,5,10", help="prompt_lookup_num_tokens values for hf-pld (best is kept)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the verifier and the hf-* modes")
-    p.add_argument("--corpus", default="", help="RAG corpus for the rag mode")
+    p.add_argument("--corpus", default="", help="RAG corpus for the rag mode (with --target: one it already has)")
+    p.add_argument(
+        "--rag",
+        action="store_true",
+        help="local deployment: start a rag proposer too, with a corpus (--corpus, default 'workload') of the "
+        "passages of the workload's rag prompts",
+    )
+    p.add_argument("--draft-model", default="", help="local deployment: start a draft proposer with this HF folder")
     p.add_argument(
         "--verifier-arg",
         action="append",
@@ -164,20 +171,29 @@ def main(argv: list[str] | None = None) -> None:
             oracle = stack.enter_context(OracleServer())
             ngram = f"127.0.0.1:{free_port()}"
             extra = ["--proposer", "ngram-local=inprocess:ngram", "--proposer", f"oracle={oracle.address}"]
-            extra += ["--auto-proposers", "ngram", *a.verifier_arg]
+            auto = ",".join(["ngram", *(["rag"] if a.rag else []), *(["draft"] if a.draft_model else [])])
+            extra += ["--auto-proposers", auto, *a.verifier_arg]
+            run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specmesh-bench-")))
             dep = LocalDeployment(
                 DeploymentConfig(
                     model=str(model_path),
                     verifier_address=f"127.0.0.1:{free_port()}",
                     verifier_threads=a.threads,
                     ngram_address=ngram,
+                    rag_address=f"127.0.0.1:{free_port()}" if a.rag else "",
+                    rag_data_dir=run_dir / "rag" if a.rag else None,
+                    draft_address=f"127.0.0.1:{free_port()}" if a.draft_model else "",
+                    draft_model=a.draft_model or None,
                     extra_verifier_args=tuple(extra),
-                    run_dir=Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specmesh-bench-"))),
+                    run_dir=run_dir,
                 )
             )
             print("bench: starting the local deployment …", file=sys.stderr)
             stack.enter_context(dep)
             address = dep.verifier_address
+            if a.rag:
+                a.corpus = a.corpus or "workload"
+                ingest_workload_passages(a.workload, dep.services_by_name["rag"].address, a.corpus, run_dir)
         client = stack.enter_context(Client(address))
         modes = _available(client, modes, list(prompts[0].token_ids), a.corpus)
         config = RunConfig(**{**asdict(config), "modes": tuple(modes)})
@@ -219,6 +235,24 @@ def main(argv: list[str] | None = None) -> None:
     if failures:
         print(f"bench: LOSSLESSNESS FAILURE in {len(failures)} request(s); see summary.md", file=sys.stderr)
         sys.exit(1)
+
+
+def ingest_workload_passages(workload: Path, rag_address: str, corpus: str, tmp: Path) -> None:
+    """The passages quoted by the workload's rag prompts → one corpus of the rag proposer."""
+    from proposer_svc.rag_cli import main as rag_cli
+    from specmesh.bench.workload import rag_passages, read_rows
+
+    folder = tmp / "passages"
+    folder.mkdir(exist_ok=True)
+    texts: dict[str, Path] = {}  # a passage quoted by several prompts is one document
+    for row in read_rows(workload):
+        if row["category"] == "rag":
+            for source, text in rag_passages(row["turns"][0]):
+                texts.setdefault(text, folder / f"{len(texts):04d}-{source.replace('/', '_')[:80]}.txt")
+    for text, path in texts.items():
+        path.write_text(text)
+    files = list(texts.values())
+    rag_cli(["ingest", *map(str, files), "--corpus", corpus, "--target", rag_address])
 
 
 def _gpu_name() -> str:

@@ -8,6 +8,7 @@ would need the model's own first answer, which differs per model.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,3 +76,16 @@ def load_prompts(
             BenchPrompt(cat, idx, str(row.get("id", "")), str(row.get("source", "")), text, tuple(encode(text)))
         )
     return prompts
+
+
+_PASSAGE = re.compile(r"^\[\d+\] \(([^)\n]+)\) (.*?)(?=\n\n\[\d+\] \(|\n\nQuestion:|\Z)", re.S | re.M)
+
+
+def rag_passages(prompt: str) -> list[tuple[str, str]]:
+    r"""(source, text) of each ``[n] (source) text`` passage of a Spec-Bench rag prompt: the
+    documents a retrieval datastore would hold.
+
+    >>> rag_passages("[1] (doc/a) Alpha beta.\n\n[2] (doc/b) Gamma.\n\nQuestion: why?")
+    [('doc/a', 'Alpha beta.'), ('doc/b', 'Gamma.')]
+    """
+    return [(m.group(1), m.group(2).strip()) for m in _PASSAGE.finditer(prompt)]

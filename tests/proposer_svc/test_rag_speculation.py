@@ -4,7 +4,6 @@ tokens on rag prompts, and the output stays identical to plain greedy decoding."
 
 import hashlib
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,20 +12,15 @@ import pytest
 from conftest import WORKLOAD, assert_greedy_equal, start_verifier, stop_verifier
 
 from specmesh import Client, SamplingParams, SpecDecodeParams
+from specmesh.bench.workload import rag_passages as passages
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-PASSAGE = re.compile(r"^\[\d+\] \(([^)\n]+)\) (.*?)(?=\n\n\[\d+\] \(|\n\nQuestion:|\Z)", re.S | re.M)
 
 
 def rag_rows() -> list[dict]:
     rows = [json.loads(x) for x in WORKLOAD.read_text().splitlines() if x.strip()]
     return [r for r in rows if r["category"] == "rag"]
-
-
-def passages(prompt: str) -> list[tuple[str, str]]:
-    """(source, text) of each ``[n] (source) text`` passage of a rag prompt."""
-    return [(m.group(1), m.group(2).strip()) for m in PASSAGE.finditer(prompt)]
 
 
 def test_passages_are_parsed_from_every_rag_prompt():

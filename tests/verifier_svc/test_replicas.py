@@ -131,7 +131,7 @@ def test_each_verifier_sees_the_statistics_the_other_recorded_in_redis(cluster, 
     from specmesh import Client, SamplingParams, SpecDecodeParams
 
     a, b = cluster["verifiers"]
-    ids = chat_ids(workload_prompts(per_category=1, max_chars=400, categories=("code_edit",))[0])
+    ids = chat_ids(workload_prompts(per_category=1, max_chars=400, categories=("translation",))[0])
     with Client(a.address) as client:
         for _ in range(2):
             spec = SpecDecodeParams("ngram", workload_tag="only-a")
@@ -171,7 +171,7 @@ def test_redis_killed_mid_run_requests_complete_and_statistics_resume_when_it_re
     from specmesh import Client
 
     a = cluster["verifiers"][0]
-    ids = chat_ids(workload_prompts(per_category=1, max_chars=400, categories=("summarization",))[0])
+    ids = chat_ids(workload_prompts(per_category=1, max_chars=400, categories=("qa",))[0])
     cluster["redis"].kill()
     cluster["redis"].wait()
     for _ in range(2):  # the router works from its local statistics

@@ -13,7 +13,14 @@ from typing import ClassVar
 
 import grpc
 import pytest
-from conftest import assert_greedy_equal, start_verifier, stop_verifier, workload_prompts
+from conftest import (
+    assert_chi_square,
+    assert_greedy_equal,
+    second_token_counts,
+    start_verifier,
+    stop_verifier,
+    workload_prompts,
+)
 
 from specmesh import Client, SamplingParams, SpecDecodeParams
 from specmesh.deploy import free_port, wait_healthy
@@ -73,14 +80,6 @@ def test_greedy_with_ngram_is_token_identical_with_eight_concurrent_requests(lm,
         assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 24))
 
 
-def _second_token_counts(client: Client, ids: list[int], spec: SpecDecodeParams, n: int, temperature: float):
-    """Sample 2 tokens n times; the second one is decided by a verification step (with a tree when on)."""
-    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=2, ignore_eos=True) for s in range(n)]
-    with ThreadPoolExecutor(32) as pool:
-        outs = list(pool.map(lambda p: client.complete(ids, p, spec), params))
-    return [tuple(o.token_ids) for o in outs], sum(o.summary.speculation.drafted_tokens for o in outs)
-
-
 def test_sampled_tokens_with_ngram_on_and_off_follow_the_target_softmax_chi_square(lm, spec_verifier):
     import torch
 
@@ -94,20 +93,12 @@ def test_sampled_tokens_with_ngram_on_and_off_follow_the_target_softmax_chi_squa
         p = torch.softmax(lm.model(torch.tensor([[*ids, mode]])).logits[0, -1].float() / temperature, -1)
     with Client(spec_verifier.address) as c:
         for spec, n in ((NGRAM, 2000), (SpecDecodeParams(proposer="none"), 500)):
-            pairs, drafted = _second_token_counts(c, ids, spec, n, temperature)
+            pairs, drafted = second_token_counts(c, ids, spec, n, temperature)
             seconds = torch.tensor([b for a, b in pairs if a == mode])
             assert len(seconds) > n // 8, "first token too spread for the conditional test"
             if spec is NGRAM:
                 assert drafted > 0
-            counts = torch.bincount(seconds, minlength=p.numel()).double()
-            expected = p.double() * len(seconds)
-            big = expected >= 5
-            obs = torch.cat([counts[big], counts[~big].sum()[None]])
-            exp = torch.cat([expected[big], expected[~big].sum()[None]])
-            dof = int(big.sum())
-            chi2 = float(((obs - exp) ** 2 / exp).sum())
-            crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # p = 0.001
-            assert chi2 < crit, f"{spec.proposer}: chi2 {chi2:.1f} over {dof} dof (critical {crit:.1f})"
+            assert_chi_square(seconds, p, spec.proposer)
 
 
 def test_proposer_killed_mid_request_completes_with_the_same_greedy_output(tmp_path, lm, prompts, hf_greedy):
