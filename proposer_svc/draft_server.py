@@ -22,6 +22,8 @@ from typing import Any
 
 import grpc
 
+from proposer_svc.server import add_metrics_flag
+from specmesh.metrics import ProposerMetrics
 from specmesh.serving import new_server, serve
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
@@ -179,8 +181,15 @@ class DraftLoop:
 
 
 class DraftServicer(proposer_pb2_grpc.ProposerServiceServicer):
-    def __init__(self, loop: DraftLoop, identity: proposer_pb2.VocabIdentity, max_nodes: int, max_depth: int) -> None:
-        self.loop, self.identity = loop, identity
+    def __init__(
+        self,
+        loop: DraftLoop,
+        identity: proposer_pb2.VocabIdentity,
+        max_nodes: int,
+        max_depth: int,
+        metrics: ProposerMetrics | None = None,
+    ) -> None:
+        self.loop, self.identity, self.metrics = loop, identity, metrics
         self.max_nodes, self.max_depth = max_nodes, max_depth
         self._keys = iter(range(1 << 62))
 
@@ -244,17 +253,26 @@ class DraftServicer(proposer_pb2_grpc.ProposerServiceServicer):
                 outbox.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
+        if self.metrics is not None:
+            self.metrics.session_started()
+        outcome = "error"
         try:
             while True:
                 item = await outbox.get()
                 if item is None:
+                    outcome = "ok"
                     return
                 if isinstance(item, tuple):
+                    outcome = "rejected"
                     await context.abort(*item)
+                if self.metrics is not None:
+                    self.metrics.proposal(len(item.tree.tokens), 0.0)  # drafting time: the loop's own figure
                 yield item
         finally:
             reader.cancel()
             self.loop.submit(_Close(key))
+            if self.metrics is not None:
+                self.metrics.session_ended(outcome)
 
 
 # --- process --------------------------------------------------------------------------------
@@ -280,6 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--branch", type=int, default=int(env("SPECMESH_DRAFT_BRANCH", "4")), help="children per node")
     p.add_argument("--max-context", type=int, default=int(env("SPECMESH_DRAFT_MAX_CONTEXT", "0")))
     p.add_argument("--grace", type=float, default=float(env("SPECMESH_GRACE_S", "30")))
+    add_metrics_flag(p)
     return p.parse_args(argv)
 
 
@@ -309,11 +328,13 @@ async def run(a: argparse.Namespace) -> None:
     loop = DraftLoop(Drafter(runner, config))
     loop.start()
     server = new_server()
-    servicer = DraftServicer(loop, identity, config.max_nodes, config.max_depth)
+    servicer = DraftServicer(loop, identity, config.max_nodes, config.max_depth, ProposerMetrics("draft"))
     proposer_pb2_grpc.add_ProposerServiceServicer_to_server(servicer, server)
     name = proposer_pb2.DESCRIPTOR.services_by_name["ProposerService"].full_name
     try:
-        await serve(server, a.address, [name], grace_s=a.grace, ready_message="draft proposer")
+        await serve(
+            server, a.address, [name], grace_s=a.grace, ready_message="draft proposer", metrics_port=a.metrics_port
+        )
     finally:
         loop.stop()
         if loop.proposals:

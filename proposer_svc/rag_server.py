@@ -38,7 +38,7 @@ from proposer_svc.datastore import (
 )
 from proposer_svc.rag import RagConfig, RagRequest
 from proposer_svc.server import ProposerFactory, ProposerServicer, ProposerStartError, add_metrics_flag
-from specmesh.metrics import ProposerMetrics, start_metrics_server
+from specmesh.metrics import ProposerMetrics
 from specmesh.serving import new_server, serve
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc, rag_pb2, rag_pb2_grpc
 
@@ -236,12 +236,9 @@ async def run(cfg: RagServerConfig) -> None:
         proposer_pb2.DESCRIPTOR.services_by_name["ProposerService"].full_name,
         rag_pb2.DESCRIPTOR.services_by_name["RagService"].full_name,
     ]
-    exporter = start_metrics_server(cfg.metrics_port)
-    try:
-        await serve(server, cfg.address, names, grace_s=cfg.grace_s, ready_message="rag proposer")
-    finally:
-        if exporter is not None:
-            exporter.close()
+    await serve(
+        server, cfg.address, names, grace_s=cfg.grace_s, ready_message="rag proposer", metrics_port=cfg.metrics_port
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ from typing import Protocol
 import grpc
 
 from proposer_svc.ngram import NgramConfig, NgramIndex
-from specmesh.metrics import ProposerMetrics, start_metrics_server
+from specmesh.metrics import ProposerMetrics
 from specmesh.serving import new_server, serve
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
@@ -136,12 +136,7 @@ async def run(a: argparse.Namespace) -> None:
     metrics = ProposerMetrics("ngram")
     proposer_pb2_grpc.add_ProposerServiceServicer_to_server(ProposerServicer(ngram_factory(config), metrics), server)
     name = proposer_pb2.DESCRIPTOR.services_by_name["ProposerService"].full_name
-    exporter = start_metrics_server(a.metrics_port)
-    try:
-        await serve(server, a.address, [name], grace_s=a.grace, ready_message="ngram proposer")
-    finally:
-        if exporter is not None:
-            exporter.close()
+    await serve(server, a.address, [name], grace_s=a.grace, ready_message="ngram proposer", metrics_port=a.metrics_port)
 
 
 def main(argv: list[str] | None = None) -> None:

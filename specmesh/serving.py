@@ -41,8 +41,11 @@ async def serve(
     on_drain: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 30.0,
     ready_message: str = "",
+    metrics_port: int = 0,
 ) -> None:
     """Start ``server`` on ``address`` and run until SIGTERM/SIGINT, then drain and stop.
+
+    ``metrics_port``: also serve the process's Prometheus registry on http://0.0.0.0:PORT/metrics.
 
     Drain order: health → NOT_SERVING (load balancers stop routing), ``on_drain`` (the service
     refuses new work), then in-flight RPCs get ``grace_s`` seconds to finish.
@@ -59,6 +62,9 @@ async def serve(
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     host = address.rsplit(":", 1)[0]
     print(f"{ready_message or 'serving'} on {host}:{port}", flush=True)
+    from specmesh.metrics import start_metrics_server
+
+    exporter = start_metrics_server(metrics_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -75,3 +81,5 @@ async def serve(
         await on_drain()
     await server.stop(max(deadline - loop.time(), 1.0))  # the whole drain stays within grace_s
     server_done.cancel()
+    if exporter is not None:
+        exporter.close()

@@ -14,7 +14,7 @@ import grpc
 from router.policy import PolicyStore, SpeculationPolicy
 from router.selection import Router, SelectionConfig, step_time_from
 from router.stats import StatsBackend, StatsConfig, open_stats
-from specmesh.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics, start_metrics_server
+from specmesh.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
 from specmesh.model_loading import tokenizer_hash
 from specmesh.serving import new_server, serve
 from specmesh.v1 import (
@@ -141,6 +141,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
         if self.metrics is not None:
             self.metrics.decision(d.proposer, d.speculate)
+        # Why this request runs without speculation, unless the client asked for exactly that.
+        why_plain = d.reason if d.proposer == "none" and spec.proposer != "none" else ""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         session = self.open_session(req, d.proposer)
@@ -179,9 +181,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, ev.message)
                 if isinstance(ev, FinishEvent):
                     finished = True
-                    yield generation_pb2.GenerateResponse(
-                        request_id=req.request_id, summary=_summary(ev, d.reason if d.proposer == "none" else "")
-                    )
+                    yield generation_pb2.GenerateResponse(request_id=req.request_id, summary=_summary(ev, why_plain))
                     return
                 chunk = generation_pb2.TokenChunk(token_ids=ev.token_ids, text=ev.text)
                 yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
@@ -385,7 +385,6 @@ async def run(config: VerifierConfig) -> None:
     )
     metrics.track_queue(engine.counts)
     REGISTRY.register(RouterStatsCollector(stats, model=lm.name))
-    metrics_server = start_metrics_server(config.metrics_port)
     generation = GenerationServicer(
         engine,
         lm.tokenizer,
@@ -418,12 +417,18 @@ async def run(config: VerifierConfig) -> None:
             await asyncio.sleep(0.05)
 
     try:
-        await serve(server, config.address, services, on_drain=drain, grace_s=config.grace_s, ready_message="verifier")
+        await serve(
+            server,
+            config.address,
+            services,
+            on_drain=drain,
+            grace_s=config.grace_s,
+            ready_message="verifier",
+            metrics_port=config.metrics_port,
+        )
     finally:
         engine.shutdown()
         stats.close()
-        if metrics_server is not None:
-            metrics_server.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -269,6 +269,15 @@ _MODE_RANK = {m: i for i, m in enumerate(("plain", "ngram", "ngram-local", "draf
                                           "hf-greedy", "hf-pld"))}  # fmt: skip
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(rows: list[Row], records: list[dict], out_dir: Path) -> list[Path]:
     """tokens/s per category per mode; accepted-length histogram per proposer; speed-up vs concurrency."""
     import matplotlib
@@ -291,10 +300,7 @@ def plots(rows: list[Row], records: list[dict], out_dir: Path) -> list[Path]:
         ax.set_ylabel("tokens/s (median, 1 stream, greedy)")
         ax.legend(fontsize=8, ncol=3)
         ax.set_title("tokens/s per category per mode")
-        fig.tight_layout()
-        paths.append(out_dir / "tokens_per_s.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, out_dir / "tokens_per_s.png"))
     hist: dict[str, list[int]] = defaultdict(list)
     for r in records:
         counts = r.get("accepted_length_counts") or []
@@ -313,10 +319,7 @@ def plots(rows: list[Row], records: list[dict], out_dir: Path) -> list[Path]:
         ax.set_ylabel("share of steps with a tree")
         ax.set_title("accepted length per proposer")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out_dir / "accepted_length.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, out_dir / "accepted_length.png"))
     overall = [r for r in rows if r.category == OVERALL and r.speedup is not None and r.mode != "plain"]
     if len({r.concurrency for r in overall}) > 1:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -330,8 +333,5 @@ def plots(rows: list[Row], records: list[dict], out_dir: Path) -> list[Path]:
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel("speed-up vs plain (geo-mean over categories)")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out_dir / "speedup_vs_concurrency.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, out_dir / "speedup_vs_concurrency.png"))
     return paths
