@@ -24,10 +24,10 @@ from pathlib import Path
 import grpc
 
 from specmesh.bench.report import losslessness_failures, markdown, pipeline_overhead, plots, summarize
-from specmesh.bench.runner import ALL_MODES, HF_MODES, SERVICE_MODES, BenchRunner, HfReference, RunConfig
+from specmesh.bench.runner import ALL_MODES, HF_MODES, SERVICE_MODES, BenchRunner, HfReference, RunConfig, spec_for
 from specmesh.bench.workload import DEFAULT_WORKLOAD, load_prompts
 from specmesh.client import Client
-from specmesh.params import SamplingParams, SpecDecodeParams
+from specmesh.params import SamplingParams
 
 DEFAULT_MODES = "plain,ngram,ngram-local,auto,oracle,hf-greedy,hf-pld"
 # Proposers the local deployment adds for the benchmark itself; `auto` never picks them.
@@ -123,7 +123,7 @@ def _available(client: Client, modes: list[str], prompt: list[int], corpus: str)
         if m not in SERVICE_MODES:
             ok.append(m)
             continue
-        spec = SpecDecodeParams(proposer=SERVICE_MODES[m], corpus=corpus if m == "rag" else "")
+        spec = spec_for(m, corpus)
         try:
             client.complete(prompt, SamplingParams(temperature=0.0, max_tokens=2), spec, timeout=120)
             ok.append(m)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                 ingest_workload_passages(a.workload, dep.services_by_name["rag"].address, a.corpus, run_dir)
         client = stack.enter_context(Client(address))
         modes = _available(client, modes, list(prompts[0].token_ids), a.corpus)
-        config = RunConfig(**{**asdict(config), "modes": tuple(modes)})
+        config = RunConfig(**{**asdict(config), "modes": tuple(modes), "corpus": a.corpus})
         server = client.stats().server
         hf = HfReference(str(model_path), a.threads) if any(m in HF_MODES for m in modes) else None
         meta = {

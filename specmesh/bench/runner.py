@@ -76,10 +76,20 @@ def token_gaps(t0: float, arrivals: list[tuple[float, int]]) -> tuple[float, lis
     return arrivals[0][0] - t0, gaps
 
 
+def spec_for(mode: str, corpus: str) -> SpecDecodeParams:
+    """The request's SpecDecodeParams in a mode; the corpus also goes to ``auto``, whose router
+    may then choose the rag proposer.
+
+    >>> spec_for("auto", "docs").corpus, spec_for("ngram", "docs").corpus
+    ('docs', '')
+    """
+    return SpecDecodeParams(proposer=SERVICE_MODES[mode], corpus=corpus if mode in ("rag", "auto") else "")
+
+
 def _service_request(
     client: Client, prompt: BenchPrompt, mode: str, sampling: SamplingParams, corpus: str
 ) -> dict[str, Any]:
-    spec = SpecDecodeParams(proposer=SERVICE_MODES[mode], corpus=corpus if mode == "rag" else "")
+    spec = spec_for(mode, corpus)
     t0 = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
     ids: list[int] = []
