@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import (
+from support import (
     assert_chi_square,
     assert_greedy_equal,
     second_token_counts,

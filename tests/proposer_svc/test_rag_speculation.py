@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import WORKLOAD, assert_greedy_equal, start_verifier, stop_verifier
+from support import WORKLOAD, assert_greedy_equal, start_verifier, stop_verifier
 
 from specmesh import Client, SamplingParams, SpecDecodeParams
 from specmesh.bench.workload import rag_passages as passages

@@ -5,7 +5,7 @@ import threading
 import time
 
 import pytest
-from conftest import assert_greedy_equal, workload_prompts
+from support import assert_greedy_equal, workload_prompts
 
 from verifier_svc.engine import Engine, EngineConfig, EngineFull, ErrorEvent, FinishEvent, TokenEvent
 from verifier_svc.model_runner import ModelRunner

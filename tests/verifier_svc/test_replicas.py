@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-from conftest import assert_greedy_equal, start_verifier, stop_verifier, workload_prompts
+from support import assert_greedy_equal, start_verifier, stop_verifier, workload_prompts
 
 pytestmark = [
     pytest.mark.slow,

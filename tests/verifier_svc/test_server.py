@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from conftest import assert_greedy_equal, start_verifier, stop_verifier, workload_prompts
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from support import assert_greedy_equal, start_verifier, stop_verifier, workload_prompts
 
 from specmesh import Client, SamplingParams, SpecDecodeParams
 from specmesh.v1 import admin_pb2, generation_pb2, generation_pb2_grpc

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import grpc
 import pytest
-from conftest import (
+from support import (
     assert_chi_square,
     assert_greedy_equal,
     second_token_counts,

@@ -1,0 +1,115 @@
+"""Helpers the tests share (not fixtures): real prompts, real verifier processes, the
+losslessness and distribution checks. Test modules import them with ``from support import …``
+(a name of its own: every conftest.py is imported as "conftest", so importing from it is
+ambiguous once several directories have one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD = ROOT / "workloads" / "specbench_offline_dev.jsonl"
+
+
+def workload_prompts(per_category: int = 1, max_chars: int = 600, categories: tuple[str, ...] = ()) -> list[str]:
+    """First turns of the vendored Spec-Bench-like workload, a few per category, kept short."""
+    rows = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()]
+    picked: dict[str, list[str]] = {}
+    for row in rows:
+        if categories and row["category"] not in categories:
+            continue
+        turn = row["turns"][0]
+        if len(turn) <= max_chars and len(picked.setdefault(row["category"], [])) < per_category:
+            picked[row["category"]].append(turn)
+    return [p for prompts in picked.values() for p in prompts]
+
+
+@dataclass
+class VerifierProcess:
+    address: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_verifier(tmp_path: Path, *args: str) -> VerifierProcess:
+    from specmesh.deploy import free_port, wait_healthy
+
+    address = f"127.0.0.1:{free_port()}"
+    log_path = tmp_path / f"verifier-{address.rsplit(':', 1)[1]}.log"
+    cmd = [sys.executable, "-m", "specmesh", "serve", "verifier", "--address", address, "--threads", "2", *args]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_healthy(address, 300, proc)
+    except Exception:
+        proc.kill()
+        raise AssertionError(f"verifier did not start:\n{log_path.read_text(errors='replace')[-3000:]}") from None
+    return VerifierProcess(address, proc, log_path)
+
+
+def stop_verifier(v: VerifierProcess) -> None:
+    if v.proc.poll() is None:
+        v.proc.terminate()
+        try:
+            v.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            v.proc.kill()
+
+
+def assert_greedy_equal(lm, prompt_ids: list[int], got: list[int], want: list[int]) -> None:
+    """Token-identical, or the first difference is a genuine near-tie of the target.
+
+    Batched fp32 arithmetic may flip a tie; the top-2 logit margin at the first difference must
+    then be below 1e-4 of the logit scale. Anything else is a bug.
+    """
+    import torch
+
+    if got == want:
+        return
+    n = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    assert n < min(len(got), len(want)), f"length differs without a token difference: {len(got)} vs {len(want)}"
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([prompt_ids + want[:n]])).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    margin = float(top2[0] - top2[1])
+    scale = float(logits.abs().max())
+    assert margin < 1e-4 * scale, (
+        f"greedy mismatch at token {n}: got {got[n]}, want {want[n]}, top-2 margin {margin:.3g} (scale {scale:.3g})"
+    )
+
+
+def second_token_counts(client, ids: list[int], spec, n: int, temperature: float) -> tuple[list[tuple[int, ...]], int]:
+    """Sample 2 tokens n times (seeds 0..n-1); the second is decided by a verification step (with a
+    tree when speculation is on). Returns the token pairs and the drafted tokens in all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specmesh import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=2, ignore_eos=True) for s in range(n)]
+    with ThreadPoolExecutor(32) as pool:
+        outs = list(pool.map(lambda p: client.complete(ids, p, spec), params))
+    return [tuple(o.token_ids) for o in outs], sum(o.summary.speculation.drafted_tokens for o in outs)
+
+
+def assert_chi_square(samples, p, label: str = "") -> None:
+    """Pearson chi-square of sampled token ids against distribution ``p`` (cells with expected < 5
+    pooled), at p = 0.001 (Wilson-Hilferty critical value)."""
+    import torch
+
+    counts = torch.bincount(samples, minlength=p.numel()).double()
+    expected = p.double() * len(samples)
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    dof = int(big.sum())
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    assert chi2 < crit, f"{label}: chi2 {chi2:.1f} over {dof} dof (critical {crit:.1f})"
