@@ -181,7 +181,8 @@ def test_too_many_concurrent_requests_get_resource_exhausted(tmp_path, lm):
     v = start_verifier(tmp_path, "--max-running", "1", "--max-waiting", "1")
     try:
         with Client(v.address) as c:
-            long = [c.generate("Count to one hundred.", _greedy(200, ignore_eos=True), chat=True) for _ in range(2)]
+            # Long enough (1500 tokens) that neither finishes while the test fills the server.
+            long = [c.generate("Count to one hundred.", _greedy(1500, ignore_eos=True), chat=True) for _ in range(2)]
             next(iter(long[0]))
             deadline = time.time() + 30
             while time.time() < deadline:  # both admitted: one running, one waiting
@@ -189,12 +190,19 @@ def test_too_many_concurrent_requests_get_resource_exhausted(tmp_path, lm):
                 if server.running_requests + server.waiting_requests == 2:
                     break
                 time.sleep(0.05)
+            else:
+                raise AssertionError(f"the two long requests were never both admitted: {server}")
             with pytest.raises(grpc.RpcError) as err:
                 c.complete("hi", _greedy(2))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             for s in long:
                 s.cancel()
-            time.sleep(0.5)
+            deadline = time.time() + 30
+            while time.time() < deadline:  # the cancellations reach the engine
+                server = c.stats().server
+                if server.running_requests + server.waiting_requests == 0:
+                    break
+                time.sleep(0.05)
             assert len(c.complete("hi", _greedy(2)).token_ids) == 2  # capacity is back
     finally:
         stop_verifier(v)
