@@ -297,7 +297,7 @@ class BenchRunner:
                 )
             wave_wall = time.perf_counter() - t0
             wave_tps = sum(len(o["token_ids"]) for o in outs) / wave_wall
-            group = "mix" if self.config.mix else wave[0].category
+            group = "mix" if self.config.mix and c > 1 else wave[0].category
             for j, (p, out) in enumerate(zip(wave, outs, strict=True)):
                 records.append(_record(p, mode, sampling, c, w, slot=j, wave_tokens_per_s=wave_tps, group=group, **out))
         if sampling == "greedy":
