@@ -69,11 +69,12 @@ class _Close:
 class DraftLoop:
     """The batching thread: owns the Drafter (model + slot cache) and every request's state."""
 
-    def __init__(self, drafter: Any) -> None:
-        self.drafter = drafter
+    def __init__(self, drafter: Any, metrics: ProposerMetrics | None = None) -> None:
+        self.drafter, self.metrics = drafter, metrics
         self._inbox: queue.SimpleQueue[_Open | _Advance | _Close | None] = queue.SimpleQueue()
         self._states: list[Any] = []  # index = slot
         self._by_key: dict[int, tuple[Any, Callable]] = {}
+        self._deliver_to: dict[int, Callable] = {}  # id(state) → its stream's deliver
         self._thread = threading.Thread(target=self._run, name="draft-loop", daemon=True)
         self.proposals = 0
         self.propose_s = 0.0
@@ -120,6 +121,7 @@ class DraftLoop:
             ev.state.slot = len(self._states)
             self._states.append(ev.state)
             self._by_key[ev.key] = (ev.state, ev.deliver)
+            self._deliver_to[id(ev.state)] = ev.deliver
         elif isinstance(ev, _Advance):
             got = self._by_key.get(ev.key)
             if got is None:
@@ -134,6 +136,7 @@ class DraftLoop:
             if got is None:
                 return
             state = got[0]
+            del self._deliver_to[id(state)]
             last = self._states.pop()
             if last is not state:  # refill the hole with the last slot: running slots stay 0..n-1
                 length = min(len(last.context) + self.drafter.storage, self.drafter.runner.cache.seq_capacity)
@@ -157,6 +160,7 @@ class DraftLoop:
             busy = [s.wanted for s in states]
             if not any(busy):
                 continue
+            t_batch = time.perf_counter()
             try:
                 trees = self.drafter.draft(slice(start, start + len(states)), states, busy)
             except Exception:  # a bug or OOM must not hang the streams: end them, keep serving
@@ -165,8 +169,11 @@ class DraftLoop:
                     s.wanted = False
                     self._deliver(s, None)
                 continue
+            seconds = time.perf_counter() - t_batch  # one batched drafting serves every tree of the batch
             for s, tree in zip(states, trees, strict=True):
                 if tree is not None:
+                    if self.metrics is not None:
+                        self.metrics.proposal(len(tree.tokens), seconds)
                     dists = [proposer_pb2.NodeDistribution(ids=i, probs=p) for i, p in tree.dists or ()]
                     msg = proposer_pb2.TokenTree(tokens=tree.tokens, parents=tree.parents, distributions=dists)
                     self._deliver(s, proposer_pb2.ProposeResponse(context_length=tree.context_length, tree=msg))
@@ -174,10 +181,9 @@ class DraftLoop:
         self.propose_s += time.perf_counter() - t0
 
     def _deliver(self, state: Any, resp: proposer_pb2.ProposeResponse | None) -> None:
-        for st, deliver in self._by_key.values():
-            if st is state:
-                deliver(resp)
-                return
+        deliver = self._deliver_to.get(id(state))
+        if deliver is not None:
+            deliver(resp)
 
 
 class DraftServicer(proposer_pb2_grpc.ProposerServiceServicer):
@@ -265,8 +271,6 @@ class DraftServicer(proposer_pb2_grpc.ProposerServiceServicer):
                 if isinstance(item, tuple):
                     outcome = "rejected"
                     await context.abort(*item)
-                if self.metrics is not None:
-                    self.metrics.proposal(len(item.tree.tokens), 0.0)  # drafting time: the loop's own figure
                 yield item
         finally:
             reader.cancel()
@@ -325,10 +329,11 @@ async def run(a: argparse.Namespace) -> None:
         f"{torch.get_num_threads()} threads, in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
-    loop = DraftLoop(Drafter(runner, config))
+    metrics = ProposerMetrics("draft")
+    loop = DraftLoop(Drafter(runner, config), metrics)
     loop.start()
     server = new_server()
-    servicer = DraftServicer(loop, identity, config.max_nodes, config.max_depth, ProposerMetrics("draft"))
+    servicer = DraftServicer(loop, identity, config.max_nodes, config.max_depth, metrics)
     proposer_pb2_grpc.add_ProposerServiceServicer_to_server(servicer, server)
     name = proposer_pb2.DESCRIPTOR.services_by_name["ProposerService"].full_name
     try:

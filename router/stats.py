@@ -360,6 +360,7 @@ class RedisStats:
         hl = config.half_life_s
         self._lock = threading.Lock()  # guards the tables and counters below, briefly
         self._pending = _Table(hl)  # recorded, not yet sent
+        self._inflight = _Table(hl)  # being sent now: still counted until it is written or put back
         self._unseen = _Table(hl)  # sent, not yet in a refreshed view
         self._view = _Table(hl)  # Redis' content at the last refresh
         self._since_flush = 0
@@ -388,7 +389,7 @@ class RedisStats:
     def snapshot(self, keys: Iterable[StatsKey] | None = None) -> dict[StatsKey, AcceptanceStats]:
         now = self._clock()
         with self._lock:
-            tables = [dict(self._view.rows), dict(self._unseen.rows), dict(self._pending.rows)]
+            tables = [dict(t.rows) for t in (self._view, self._unseen, self._inflight, self._pending)]
         return _decayed(tables, now, keys, self.config.half_life_s)
 
     def status(self) -> BackendStatus:
@@ -437,8 +438,10 @@ class RedisStats:
             return True
 
     def _flush(self) -> None:
+        hl = self.config.half_life_s
         with self._lock:
-            batch, self._pending = self._pending, _Table(self.config.half_life_s)
+            batch, self._pending = self._pending, _Table(hl)
+            self._inflight = batch  # snapshots keep counting it while it is on the wire
             self._since_flush = 0
         if not batch.rows:
             return
@@ -447,15 +450,15 @@ class RedisStats:
         except BaseException:  # connection lost mid-pipeline: nothing known written, all resent
             with self._lock:
                 batch.merge(self._pending)
-                self._pending = batch
+                self._pending, self._inflight = batch, _Table(hl)
             raise
         with self._lock:
-            kept = _Table(self.config.half_life_s)
+            kept = _Table(hl)
             for key in failed:
                 kept.rows[key] = batch.rows.pop(key)
             self._unseen.merge(batch)  # written: in the snapshot until the next refresh reads it
             kept.merge(self._pending)
-            self._pending = kept
+            self._pending, self._inflight = kept, _Table(hl)
         if error is not None:
             raise error
 

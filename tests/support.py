@@ -5,10 +5,11 @@ ambiguous once several directories have one)."""
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,9 @@ WORKLOAD = ROOT / "workloads" / "specbench_offline_dev.jsonl"
 
 def workload_prompts(per_category: int = 1, max_chars: int = 600, categories: tuple[str, ...] = ()) -> list[str]:
     """First turns of the vendored Spec-Bench-like workload, a few per category, kept short."""
-    rows = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()]
+    from specmesh.bench.workload import read_rows
+
+    rows = read_rows(WORKLOAD)
     picked: dict[str, list[str]] = {}
     for row in rows:
         if categories and row["category"] not in categories:
@@ -113,3 +116,37 @@ def assert_chi_square(samples, p, label: str = "") -> None:
     chi2 = float(((obs - exp) ** 2 / exp).sum())
     crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
     assert chi2 < crit, f"{label}: chi2 {chi2:.1f} over {dof} dof (critical {crit:.1f})"
+
+
+def start_redis(port: int) -> subprocess.Popen:
+    """A throwaway, non-persistent redis-server on ``port``; returns once it answers PING."""
+    import pytest
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not on PATH")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return proc
+        except redis.exceptions.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"redis-server on port {port} did not start") from None
+            time.sleep(0.05)
+        finally:
+            client.close()
+
+
+def stop_redis(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)

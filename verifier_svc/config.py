@@ -106,11 +106,10 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         name, sep, addr = item.partition("=")
         if not sep or not name or not addr:
             p.error(f"--proposer expects NAME=ADDRESS, got {item!r}")
-        if addr.startswith("inprocess:"):
-            try:
-                inprocess_kind(addr)
-            except ValueError as exc:
-                p.error(str(exc))
+        try:
+            inprocess_kind(addr)  # an unknown in-process kind is a flag error, not a runtime one
+        except ValueError as exc:
+            p.error(str(exc))
         proposers.append((name.strip().lower(), addr.strip()))
     return VerifierConfig(
         address=a.address,

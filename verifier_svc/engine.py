@@ -86,12 +86,9 @@ class SpecCounters:
         self.accepted += accepted
         c = self.per_proposer.setdefault(self.proposer, [0, 0, 0])
         c[0], c[1], c[2] = c[0] + 1, c[1] + drafted, c[2] + accepted
-        self.count_accepted(accepted)
-
-    def count_accepted(self, k: int) -> None:
-        if len(self.accepted_hist) <= k:
-            self.accepted_hist.extend([0] * (k + 1 - len(self.accepted_hist)))
-        self.accepted_hist[k] += 1
+        if len(self.accepted_hist) <= accepted:
+            self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
+        self.accepted_hist[accepted] += 1
 
 
 @dataclass
@@ -473,12 +470,7 @@ class Engine:
         new = self.open_session(seq.req, d.proposer, [*seq.req.prompt_ids, *seq.output])
         if new is None:
             return
-        if seq.session is not None:
-            self.stats.invalid_trees += seq.session.invalid_trees
-            seq.spec.invalid_trees += seq.session.invalid_trees
-            if self.metrics is not None:
-                self.metrics.invalid_tree(seq.session.name, seq.session.invalid_trees)
-            seq.session.close()
+        self._end_session(seq)
         log.info("request %s: proposer %s → %s", seq.req.request_id, current or "none", d.proposer)
         seq.session, seq.spec.proposer = new, d.proposer
         seq.spec.per_proposer.setdefault(d.proposer, [0, 0, 0])
@@ -587,15 +579,25 @@ class Engine:
     def _drop_session(self, seq: _Sequence, reason: str) -> None:
         seq.spec.fallback_reason = reason
         if seq.session is not None:
-            seq.spec.invalid_trees += seq.session.invalid_trees
-            self.stats.invalid_trees += seq.session.invalid_trees
-            seq.session.fail(reason)
             self.stats.proposer_fallbacks += 1
             seq.failed_proposers.add(seq.session.name)
             if self.metrics is not None:
                 self.metrics.fallback(seq.session.name, reason)
-                self.metrics.invalid_tree(seq.session.name, seq.session.invalid_trees)
-        seq.session = None
+        self._end_session(seq, reason)
+
+    def _end_session(self, seq: _Sequence, failure: str | None = None) -> None:
+        """Close (or fail) the request's proposer stream, counting its invalid trees once."""
+        session, seq.session = seq.session, None
+        if session is None:
+            return
+        seq.spec.invalid_trees += session.invalid_trees
+        self.stats.invalid_trees += session.invalid_trees
+        if self.metrics is not None:
+            self.metrics.invalid_tree(session.name, session.invalid_trees)
+        if failure is None:
+            session.close()
+        else:
+            session.fail(failure)
 
     def _accept(
         self, seqs: list[_Sequence], trees: list[TokenTree], logits: torch.Tensor, counts: list[int]
@@ -704,10 +706,7 @@ class Engine:
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         now = time.perf_counter()
-        if seq.session is not None:
-            seq.spec.invalid_trees += seq.session.invalid_trees
-            if self.metrics is not None:
-                self.metrics.invalid_tree(seq.session.name, seq.session.invalid_trees)
+        self._end_session(seq)  # the request is done: End the stream now
         if self.metrics is not None:
             self.metrics.request_finished("ok", len(seq.req.prompt_ids), ttft_s=seq.first_token - seq.arrival)
         seq.sink(
@@ -735,9 +734,7 @@ class Engine:
             self._release(seq)
 
     def _release(self, seq: _Sequence) -> None:
-        if seq.session is not None:
-            self.stats.invalid_trees += seq.session.invalid_trees
-            seq.session.close()
+        self._end_session(seq)
         self._by_id.pop(seq.req.request_id, None)
         with self._lock:
             self._admitted -= 1

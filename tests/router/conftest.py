@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import redis
+from support import start_redis, stop_redis
 
 SHARED_URL = "redis://127.0.0.1:6379/0"
 
@@ -27,37 +26,6 @@ class FakeClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
-
-
-def start_redis(port: int) -> subprocess.Popen:
-    """A throwaway, non-persistent redis-server on ``port``; returns once it answers PING."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not on PATH")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            return proc
-        except redis.exceptions.ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"redis-server on port {port} did not start") from None
-            time.sleep(0.05)
-        finally:
-            client.close()
-
-
-def stop_redis(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 class ThrowawayRedis:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-from support import assert_greedy_equal, start_verifier, stop_verifier, workload_prompts
+from support import assert_greedy_equal, start_redis, start_verifier, stop_verifier, workload_prompts
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,24 +33,6 @@ class Proc:
     address: str
     proc: subprocess.Popen
     metrics_port: int = 0
-
-
-def start_redis(port: int) -> subprocess.Popen:
-    import redis
-
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise AssertionError("throwaway redis-server did not start")
 
 
 def start_ngram(tmp_path) -> Proc:
