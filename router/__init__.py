@@ -5,13 +5,15 @@ statistics (``router.stats``: in process or shared through Redis) and the measur
 verification step (``router.cost_model``). ``router.selection`` holds the policy core.
 """
 
+from router.cost_model import LiveStepCost, StepCost, choose_width
 from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
-from router.selection import Decision, Router, SelectionConfig, choose, step_time_from
+from router.selection import Decision, Router, SelectionConfig, choose
 from router.stats import AcceptanceStats, StatsBackend, StatsConfig, StatsKey, open_stats
 
 __all__ = [
     "AcceptanceStats",
     "Decision",
+    "LiveStepCost",
     "PolicyStore",
     "Router",
     "SelectionConfig",
@@ -19,8 +21,9 @@ __all__ = [
     "StatsBackend",
     "StatsConfig",
     "StatsKey",
+    "StepCost",
     "choose",
+    "choose_width",
     "open_stats",
     "resolve_proposer",
-    "step_time_from",
 ]

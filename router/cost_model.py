@@ -1,58 +1,145 @@
 """What a verification step costs on this hardware, and how wide a step should be.
 
-The verifier measures the time of one forward over t new tokens (t = batch rows × step
-width, padding included) at start-up and hands the table to ``StepCost``; the router knows
-no model. On a CPU a step of 8 tokens costs about 2x a step of 1, so speculation pays only
-where enough tokens are accepted; on a GPU it is nearly free until the batch is large.
+The verifier measures, at start-up, the time of one forward over ``rows`` requests each bringing
+``width`` new tokens (its pending token plus a tree of ``width - 1`` nodes) for several batch
+sizes and widths 1…64 (``StepCost``), and then keeps correcting that table from the timings of
+the steps it really runs (``LiveStepCost``: longer contexts, other processes on the machine).
+The router and the per-step gate know no model, only ``cost(rows, width)``.
+
+On a CPU a step of 8 tokens costs about 2x a step of 1, so speculation pays only where enough
+tokens are accepted, and less as the batch grows; on a GPU it is nearly free until the batch is large.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+CostFn = Callable[[int, int], float]  # (rows, width) → seconds of one verification forward
+
+
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear in x; flat below the first point, linear extrapolation past the last."""
+    if x <= xs[0]:
+        return ys[0]
+    if len(xs) == 1:  # one measurement: proportional past it
+        return ys[0] * x / xs[0]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Piecewise-linear cost (seconds) of a forward over ``tokens`` new tokens."""
+    """Measured seconds of one forward: ``seconds[i][j]`` over ``rows[i]`` requests × ``widths[j]``
+    tokens each (padding included). A row count may stop short of the widest width (big forwards
+    are not measured); past its last width, and past the last row count, cost grows linearly with
+    the tokens of the forward.
 
-    tokens: tuple[int, ...]  # ascending, starting at 1
-    seconds: tuple[float, ...]
+    >>> cost = StepCost((1, 4), (1, 8), ((0.06, 0.13), (0.08, 0.30)))
+    >>> cost(1, 4), cost(4, 8), round(cost(2, 1), 4)     # interpolated, measured, between row counts
+    (0.09, 0.3, 0.0667)
+    >>> round(cost(8, 8), 4)     # 8 rows × 8 cost like 4 rows × 16: linear past the measured widths
+    0.5514
+    >>> StepCost.by_tokens((1, 8), (0.06, 0.13))(2, 4)   # a 1-row table: cost by total tokens
+    0.13
+    """
 
-    def __call__(self, tokens: int) -> float:
-        """Interpolated cost; linear extrapolation past the last measurement.
+    rows: tuple[int, ...]  # ascending, starting at 1
+    widths: tuple[int, ...]  # ascending, starting at 1
+    seconds: tuple[tuple[float, ...], ...]  # [rows][widths measured at that row count]
 
-        >>> StepCost((1, 8), (0.06, 0.13))(4)
-        0.09
-        """
-        xs, ys = self.tokens, self.seconds
-        if tokens <= xs[0]:
-            return ys[0]
-        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return round(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), 12)
+    @classmethod
+    def by_tokens(cls, tokens: tuple[int, ...], seconds: tuple[float, ...]) -> StepCost:
+        """A table from one row at several widths: rows × width tokens cost like one row that wide."""
+        return cls((1,), tokens, (seconds,))
+
+    def _at_rows(self, i: int, width: float) -> float:
+        ys = self.seconds[i]
+        return _interp(self.widths[: len(ys)], ys, width)
+
+    def __call__(self, rows: int, width: int) -> float:
+        rows, width = max(rows, 1), max(width, 1)
+        rs = self.rows
+        if rows >= rs[-1]:  # extra rows cost like a wider step at the largest measured batch
+            return round(self._at_rows(len(rs) - 1, width * rows / rs[-1]), 12)
+        i = bisect.bisect_left(rs, rows)
+        if rs[i] == rows:
+            return round(self._at_rows(i, width), 12)
+        lo, hi = self._at_rows(i - 1, width), self._at_rows(i, width)
+        return round(lo + (hi - lo) * (rows - rs[i - 1]) / (rs[i] - rs[i - 1]), 12)
 
 
-def choose_width(expected_accepted: list[list[float]], cost: StepCost) -> int:
+class LiveStepCost:
+    """``StepCost`` corrected by the steps the verifier really runs.
+
+    Each observed step updates an EWMA of observed ÷ predicted time for its (rows, width) cell
+    (rows and width rounded to powers of two) and for all steps together. A prediction is the
+    table's value times the cell's ratio once the cell has ``min_samples`` observations, else times
+    the overall ratio. Written by the engine thread, read by the router: each update replaces one
+    float, so readers never see a torn value.
+
+    >>> live = LiveStepCost(StepCost.by_tokens((1, 8), (0.06, 0.13)), smoothing=0.5, min_samples=2)
+    >>> for _ in range(2):
+    ...     live.observe(1, 1, 0.09)               # plain steps run 1.5x the start-up figure
+    >>> round(live(1, 1), 4), round(live(1, 8), 4)   # the observed cell; others by the overall ratio
+    (0.09, 0.1788)
+    """
+
+    def __init__(self, table: StepCost, smoothing: float = 0.05, min_samples: int = 8) -> None:
+        self.table, self.smoothing, self.min_samples = table, smoothing, min_samples
+        self._overall = 1.0
+        self._cells: dict[tuple[int, int], tuple[float, int]] = {}  # cell → (ratio EWMA, samples)
+        self._lock = threading.Lock()  # writers only
+
+    @staticmethod
+    def _cell(rows: int, width: int) -> tuple[int, int]:
+        return (round(math.log2(max(rows, 1))), round(math.log2(max(width, 1))))
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        predicted = self.table(rows, width)
+        if predicted <= 0 or seconds <= 0:
+            return
+        ratio = seconds / predicted
+        a = self.smoothing
+        with self._lock:
+            self._overall += a * (ratio - self._overall)
+            cell = self._cell(rows, width)
+            old, n = self._cells.get(cell, (self._overall, 0))
+            self._cells[cell] = (old + max(a, 1.0 / (n + 1)) * (ratio - old), n + 1)
+
+    def ratio(self, rows: int, width: int) -> float:
+        """Observed ÷ start-up time for a step of this shape (1.0 before any observation)."""
+        ewma, n = self._cells.get(self._cell(rows, width), (self._overall, 0))
+        return ewma if n >= self.min_samples else self._overall
+
+    def __call__(self, rows: int, width: int) -> float:
+        return self.table(rows, width) * self.ratio(rows, width)
+
+
+def choose_width(expected_accepted: list[list[float]], cost: CostFn) -> int:
     """Step width (1 + tree nodes per row) with the highest expected goodput for the batch.
 
     expected_accepted[i][w - 1]: tokens row i is expected to get accepted at width w (its tree
     cut to its first w - 1 nodes; entry 0 is 0.0, plain decoding). Every row pays for the
-    widest one (padding), so goodput(w) = Σ_i (1 + E_i(w)) / cost(rows · w). Width 1 means no
+    widest one (padding), so goodput(w) = Σ_i (1 + E_i(w)) / cost(rows, w). Width 1 means no
     speculation this step.
 
-    >>> cheap = StepCost((1, 2, 8), (1.0, 1.1, 1.2))    # a GPU-like curve
+    >>> cheap = StepCost.by_tokens((1, 2, 8), (1.0, 1.1, 1.2))    # a GPU-like curve
     >>> choose_width([[0.0, 0.9, 2.0]], cheap)
     3
-    >>> dear = StepCost((1, 2, 8), (1.0, 1.8, 2.1))     # this CPU
+    >>> dear = StepCost.by_tokens((1, 2, 8), (1.0, 1.8, 2.1))     # this CPU
     >>> choose_width([[0.0, 0.3, 0.6]], dear)
     1
     """
     rows = len(expected_accepted)
-    best_w, best = 1, rows / cost(rows)
+    best_w, best = 1, rows / cost(rows, 1)
     for w in range(2, max(map(len, expected_accepted)) + 1):
         gain = sum(1 + e[min(w, len(e)) - 1] for e in expected_accepted)
-        goodput = gain / cost(rows * w)
+        goodput = gain / cost(rows, w)
         if goodput > best * 1.02:  # a clear win only: measurement noise must not flip it
             best_w, best = w, goodput
     return best_w

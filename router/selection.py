@@ -22,14 +22,14 @@ from __future__ import annotations
 import math
 import random
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.cost_model import StepCost
+from router.cost_model import CostFn
 from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
 from router.stats import AcceptanceStats, StatsBackend, StatsKey
 
-StepTime = Callable[[int, int], float]  # (batch rows, tokens per row) → seconds of one verification forward
+StepTime = CostFn  # (batch rows, tokens per row) → seconds of one verification forward
 EXPLORATION = ("thompson", "ucb", "greedy")
 
 
@@ -75,15 +75,6 @@ class Decision:
     @property
     def speculate(self) -> bool:
         return self.k > 0 and self.proposer != "none"
-
-
-def step_time_from(cost: StepCost) -> StepTime:
-    """A step-time function from a cost table over total new tokens (rows × width, padding included).
-
-    >>> step_time_from(StepCost((1, 8), (0.06, 0.13)))(2, 2)
-    0.09
-    """
-    return lambda rows, width: cost(rows * width)
 
 
 def posterior(
@@ -167,7 +158,8 @@ def expected_accepted(alphas: Sequence[float]) -> list[float]:
 def best_k(alphas: Sequence[float], step_time: StepTime, batch: int, wait_s: float) -> tuple[int, float, float]:
     """(k ≥ 1, its goodput, its E(k)) maximising (1 + E(k)) / (step_time(batch, 1 + k) + wait_s).
 
-    >>> cpu = step_time_from(StepCost((1, 2, 4, 8, 16), (0.066, 0.119, 0.125, 0.139, 0.158)))
+    >>> from router.cost_model import StepCost
+    >>> cpu = StepCost.by_tokens((1, 2, 4, 8, 16), (0.066, 0.119, 0.125, 0.139, 0.158))
     >>> k, g, e = best_k([0.9] * 16, cpu, batch=1, wait_s=0.0)
     >>> k, round(g, 1), round(e, 2)
     (16, 52.0, 7.33)
@@ -196,7 +188,8 @@ def choose(
     ``current``: the request's proposer mid-request; another must beat it by ``switch_margin``.
 
     >>> cfg = SelectionConfig(exploration="greedy")
-    >>> cpu = step_time_from(StepCost((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.8, 1.9, 2.1, 2.4, 3.4, 6.0, 11.5)))
+    >>> from router.cost_model import StepCost
+    >>> cpu = StepCost.by_tokens((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.8, 1.9, 2.1, 2.4, 3.4, 6.0, 11.5))
     >>> copy = Posterior("ngram", (9.0,) * 8, (1.0,) * 8)    # α = 0.9 per depth
     >>> chat = Posterior("draft", (3.0,) * 8, (7.0,) * 8)    # α = 0.3
     >>> d = choose([chat, copy], cpu, batch=1, max_k=8, config=cfg)

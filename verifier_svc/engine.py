@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from router.cost_model import StepCost, choose_width
+from router.cost_model import LiveStepCost, choose_width
 from router.stats import AcceptanceStats
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.detokenizer import IncrementalDetokenizer, StopStringFilter
@@ -177,7 +177,7 @@ class Engine:
         eos_token_ids: set[int],
         max_context: int,
         config: EngineConfig,
-        step_cost: StepCost | None = None,
+        step_cost: LiveStepCost | None = None,
         router: Router | None = None,
         metrics: VerifierMetrics | None = None,
         open_session: Callable[[GenerationRequest, str, list[int]], ProposerSession | None] | None = None,
@@ -403,6 +403,8 @@ class Engine:
         logits = self.runner.logits(hidden[rows, cols])  # [sum(n_i + 1), vocab]: padding skipped
         results = self._accept(seqs, trees, logits, counts)
         elapsed = time.perf_counter() - t0
+        if self.step_cost is not None:  # the cost model follows what steps really take here
+            self.step_cost.observe(len(seqs), width, elapsed)
         self.stats.steps += 1
         if self.metrics is not None:
             self.metrics.step("decode", elapsed, len(seqs) * width)

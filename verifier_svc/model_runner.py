@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from router.cost_model import StepCost
+from verifier_svc import attention as gqa_attention
 from verifier_svc.kv_cache import SlotKVCache
 
 
@@ -32,7 +34,7 @@ class ModelRunner:
         self, model: Any, device: torch.device, dtype: torch.dtype, max_context: int, tree_kernel: bool | None = None
     ) -> None:
         """``tree_kernel``: attention through the Triton tree-attention kernel (``kernels.hf_attention``);
-        default on CUDA only. Elsewhere the model keeps its SDPA path."""
+        default on CUDA only. Elsewhere SDPA over the cache without repeating K/V (``attention``)."""
         self.model = model
         self.decoder = model.get_decoder()  # the base model: hidden states, no lm_head
         self.lm_head = model.get_output_embeddings()
@@ -55,6 +57,8 @@ class ModelRunner:
             from kernels.hf_attention import register
 
             model.set_attn_implementation(register())
+        elif gqa_attention.supports(cfg):  # SDPA without repeating K/V for every query head
+            model.set_attn_implementation(gqa_attention.register())
 
     @torch.inference_mode()
     def forward(
@@ -98,35 +102,51 @@ class ModelRunner:
         return self.lm_head(hidden).float()
 
 
-def measure_step_cost(runner: ModelRunner, prefix: int = 256, tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)):
-    """Time one forward over t new tokens after a ``prefix``-token context, for each t (best of 3).
+def measure_step_cost(
+    runner: ModelRunner,
+    rows: tuple[int, ...] = (1, 2, 4, 8),
+    widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    prefix: int = 128,
+    max_tokens: int = 128,
+    repeats: int = 2,
+) -> StepCost:
+    """Time one forward (and its logits) over r rows × w new tokens after a ``prefix``-token context,
+    for each r in ``rows`` and each w in ``widths`` with r·w ≤ ``max_tokens`` (best of ``repeats``).
 
-    Runs in slot 0 of an empty cache at start-up; returns a ``router.cost_model.StepCost``.
+    Runs in slots 0..max(rows)-1 of an empty cache at start-up (a few seconds on a CPU); the
+    engine then corrects the table from live steps (``router.cost_model.LiveStepCost``).
     """
     import time
 
-    from router.cost_model import StepCost
+    dev = runner.device
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     with torch.inference_mode():
-        ids = torch.randint(0, runner.vocab_size, (1, prefix + max(tokens)), device=runner.device)
-        pos = torch.arange(prefix, device=runner.device)[None]
-        runner.forward(slice(0, 1), ids[:, :prefix], pos, causal_mask(pos, prefix))
-        seconds = []
-        for t in tokens:
-            pos = torch.arange(prefix, prefix + t, device=runner.device)[None]
-            best = float("inf")
-            for _ in range(3):
-                if runner.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                runner.logits(
-                    runner.forward(slice(0, 1), ids[:, prefix : prefix + t], pos, causal_mask(pos, prefix + t))
-                )
-                if runner.device.type == "cuda":
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - t0)
-            seconds.append(best)
-    # Costs never fall with more tokens; noise must not say otherwise.
-    for i in range(1, len(seconds)):
-        seconds[i] = max(seconds[i], seconds[i - 1])
-    return StepCost(tuple(tokens), tuple(seconds))
+        top = max(rows)
+        ids = torch.randint(0, runner.vocab_size, (top, prefix + max(widths)), device=dev)
+        pos = torch.arange(prefix, device=dev)[None].expand(top, prefix)
+        runner.forward(slice(0, top), ids[:, :prefix], pos, causal_mask(pos, prefix))
+        table = []
+        for r in rows:
+            seconds = []
+            for w in (w for w in widths if r * w <= max(max_tokens, r)):
+                pos = torch.arange(prefix, prefix + w, device=dev)[None].expand(r, w)
+                mask = causal_mask(pos, prefix + w)
+                best = float("inf")
+                for _ in range(repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    runner.logits(runner.forward(slice(0, r), ids[:r, prefix : prefix + w], pos, mask))
+                    sync()
+                    best = min(best, time.perf_counter() - t0)
+                seconds.append(best)
+            table.append(seconds)
+    # Costs never fall with more tokens or more rows; noise must not say otherwise.
+    for i, seconds in enumerate(table):
+        for j in range(len(seconds)):
+            floor = max(seconds[j - 1] if j else 0.0, table[i - 1][j] if i and j < len(table[i - 1]) else 0.0)
+            seconds[j] = max(seconds[j], floor)
+    return StepCost(tuple(rows), tuple(widths), tuple(tuple(s) for s in table))

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from router.cost_model import LiveStepCost
 from router.policy import PolicyStore, SpeculationPolicy
-from router.selection import Router, SelectionConfig, step_time_from
+from router.selection import Router, SelectionConfig
 from router.stats import StatsBackend, StatsConfig, open_stats
 from specmesh.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
 from specmesh.model_loading import tokenizer_hash
@@ -344,11 +345,19 @@ async def run(config: VerifierConfig) -> None:
     runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context)
     step_cost = None
     if config.proposers and config.spec_gating == "cost":
-        step_cost = measure_step_cost(runner)
-        ratios = ", ".join(
-            f"{t}:{s / step_cost.seconds[0]:.1f}x" for t, s in zip(step_cost.tokens, step_cost.seconds, strict=True)
+        t1 = time.perf_counter()
+        rows = tuple(r for r in (1, 2, 4, 8) if r <= max(config.engine.max_running, 1))
+        table = measure_step_cost(runner, rows=rows)
+        step_cost = LiveStepCost(table)  # corrected from every decode step the engine runs
+        widths = ", ".join(
+            f"{r}×[" + " ".join(f"{s / table.seconds[0][0]:.1f}" for s in row) + "]"
+            for r, row in zip(table.rows, table.seconds, strict=True)
         )
-        print(f"verifier: step cost by new tokens (vs 1) {ratios}", flush=True)
+        print(
+            f"verifier: step cost (rows×[widths {', '.join(map(str, table.widths))}], vs 1×1 = "
+            f"{table.seconds[0][0] * 1e3:.1f} ms) {widths}; measured in {time.perf_counter() - t1:.1f} s",
+            flush=True,
+        )
     names = tuple(name for name, _ in config.proposers)
     limits = RequestLimits(max_context=max_context, vocab_size=runner.vocab_size, configured_proposers=names)
     policy = PolicyStore(names)
@@ -356,7 +365,7 @@ async def run(config: VerifierConfig) -> None:
         StatsConfig(redis_url=config.redis_url, key_prefix=config.stats_prefix, half_life_s=config.stats_half_life_s)
     )
     # Without a measured cost (no proposers, or --spec-gating always) every k costs alike: speculate.
-    step_time = step_time_from(step_cost) if step_cost is not None else (lambda rows, width: 1.0)
+    step_time = step_cost if step_cost is not None else (lambda rows, width: 1.0)
     selection = SelectionConfig(exploration=config.exploration)
     router = Router(stats, lm.name, config.auto_proposers or names, policy, step_time, selection)
     metrics = VerifierMetrics()

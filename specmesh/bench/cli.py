@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1", help="comma list of concurrent streams, e.g. 1,8,32")
     p.add_argument("--mix", action="store_true", help="at concurrency > 1, waves mix all categories")
+    p.add_argument(
+        "--tag",
+        action="store_true",
+        help="tag each request with its category (SpecDecodeParams.workload_tag), as an application tags "
+        "its traffic; the router then keeps statistics per category",
+    )
     p.add_argument("--sampling", default="greedy", help="comma list of greedy, sampled")
     p.add_argument("--temperature", type=float, default=1.0, help="for sampled runs")
     p.add_argument("--pld-sweep", default="3,5,10", help="prompt_lookup_num_tokens values for hf-pld (best is kept)")
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         pld_sweep=tuple(int(k) for k in _csv(a.pld_sweep)),
         corpus=a.corpus,
         mix=a.mix,
+        tag=a.tag,
     )
     with ExitStack() as stack:
         oracle = None

@@ -44,6 +44,7 @@ class RunConfig:
     pld_sweep: tuple[int, ...] = (3, 5, 10)
     corpus: str = ""  # SpecDecodeParams.corpus for the rag mode
     mix: bool = False  # concurrency > 1: waves mix every category (a realistic stream) instead of one each
+    tag: bool = False  # each request carries its category as SpecDecodeParams.workload_tag
 
 
 def mode_order(modes: tuple[str, ...], turn: int) -> list[str]:
@@ -76,20 +77,24 @@ def token_gaps(t0: float, arrivals: list[tuple[float, int]]) -> tuple[float, lis
     return arrivals[0][0] - t0, gaps
 
 
-def spec_for(mode: str, corpus: str) -> SpecDecodeParams:
+def spec_for(mode: str, corpus: str, tag: str = "") -> SpecDecodeParams:
     """The request's SpecDecodeParams in a mode; the corpus also goes to ``auto``, whose router
-    may then choose the rag proposer.
+    may then choose the rag proposer. ``tag``: the workload tag the router keys its statistics by.
 
     >>> spec_for("auto", "docs").corpus, spec_for("ngram", "docs").corpus
     ('docs', '')
+    >>> spec_for("auto", "", "code").workload_tag
+    'code'
     """
-    return SpecDecodeParams(proposer=SERVICE_MODES[mode], corpus=corpus if mode in ("rag", "auto") else "")
+    return SpecDecodeParams(
+        proposer=SERVICE_MODES[mode], corpus=corpus if mode in ("rag", "auto") else "", workload_tag=tag
+    )
 
 
 def _service_request(
-    client: Client, prompt: BenchPrompt, mode: str, sampling: SamplingParams, corpus: str
+    client: Client, prompt: BenchPrompt, mode: str, sampling: SamplingParams, corpus: str, tag: bool = False
 ) -> dict[str, Any]:
-    spec = spec_for(mode, corpus)
+    spec = spec_for(mode, corpus, prompt.category if tag else "")
     t0 = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
     ids: list[int] = []
@@ -289,7 +294,7 @@ class BenchRunner:
                 outs = list(
                     pool.map(
                         lambda p, s, m=mode: _service_request(
-                            self.client, p, m, self._sampling(sampling, s), self.config.corpus
+                            self.client, p, m, self._sampling(sampling, s), self.config.corpus, self.config.tag
                         ),
                         wave,
                         seeds,

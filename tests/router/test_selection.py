@@ -8,20 +8,20 @@ import pytest
 
 from router.cost_model import StepCost
 from router.policy import PolicyStore, SpeculationPolicy
-from router.selection import Posterior, Router, SelectionConfig, choose, step_time_from
+from router.selection import Posterior, Router, SelectionConfig, choose
 from router.stats import AcceptanceStats, InProcessStats, StatsConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 # DESIGN.md's measured forward cost on the 2-core CPU (66 ms for one token), linear once compute-bound.
-CPU = StepCost(TOKENS, tuple(0.066 * r for r in (1.0, 1.8, 1.9, 2.1, 2.4, 3.4, 6.0, 11.5)))
-GPU = StepCost((*TOKENS, 1024), (0.020,) * 8 + (0.040,))  # nearly free until the batch is large
+CPU = StepCost.by_tokens(TOKENS, tuple(0.066 * r for r in (1.0, 1.8, 1.9, 2.1, 2.4, 3.4, 6.0, 11.5)))
+GPU = StepCost.by_tokens((*TOKENS, 1024), (0.020,) * 8 + (0.040,))  # nearly free until the batch is large
 
 
 def make_router(clock, cost: StepCost = CPU, **config) -> Router:
     stats = InProcessStats(StatsConfig(half_life_s=20.0), clock)
     policy = PolicyStore(("ngram", "draft"))
-    return Router(stats, MODEL, ("ngram", "draft"), policy, step_time_from(cost), SelectionConfig(**config))
+    return Router(stats, MODEL, ("ngram", "draft"), policy, cost, SelectionConfig(**config))
 
 
 def scripted_step(rng: random.Random, alpha: float, drafted: int) -> AcceptanceStats:
@@ -95,7 +95,7 @@ def test_chooses_k_zero_when_verification_cost_at_the_batch_size_outweighs_accep
     assert loaded.k == 0 and not loaded.speculate and "batch 64" in loaded.reason
     assert loaded.proposer == "ngram"  # the stream may stay open: shadow statistics keep flowing
     # The same acceptance on a GPU-like cost curve: verification is nearly free, so it speculates.
-    router.step_time = step_time_from(GPU)
+    router.step_time = GPU
     assert router.decide("auto", "qa", batch=64).k >= 4
 
 
@@ -129,7 +129,7 @@ def test_tagged_statistics_fall_back_to_the_pooled_ones_for_a_new_tag(clock):
 
 def test_mid_request_switch_needs_a_clear_margin():
     cfg = SelectionConfig(exploration="greedy", switch_margin=0.05)
-    step_time = step_time_from(CPU)
+    step_time = CPU
     a = Posterior("ngram", (8.1,) * 8, (1.9,) * 8)  # α = 0.81: ~3% more goodput
     b = Posterior("draft", (8.0,) * 8, (2.0,) * 8)  # α = 0.80: a little worse
     assert choose([a, b], step_time, 1, 8, cfg).proposer == "ngram"
@@ -149,7 +149,7 @@ def test_thompson_sampling_is_reproducible_with_a_seed(clock):
 
 
 def test_ucb_tries_an_unproven_proposer_and_greedy_does_not():
-    step_time = step_time_from(CPU)
+    step_time = CPU
     proven = Posterior("ngram", (61.0,) * 8, (41.0,) * 8, evidence=100.0)  # α = 0.6, well known
     unknown = Posterior("draft", (1.0,) * 8, (1.0,) * 8)  # the prior only
     ucb = choose([proven, unknown], step_time, 1, 8, SelectionConfig(exploration="ucb"))

@@ -182,8 +182,11 @@ def test_too_many_concurrent_requests_get_resource_exhausted(tmp_path, lm):
     try:
         with Client(v.address) as c:
             # Long enough (1500 tokens) that neither finishes while the test fills the server.
-            long = [c.generate("Count to one hundred.", _greedy(1500, ignore_eos=True), chat=True) for _ in range(2)]
-            next(iter(long[0]))
+            # The second is sent only once the first runs: sent together, the server may take them in
+            # either order, and the first's first token would come only after the second finished.
+            first = c.generate("Count to one hundred.", _greedy(1500, ignore_eos=True), chat=True)
+            next(iter(first))
+            long = [first, c.generate("Count to one hundred.", _greedy(1500, ignore_eos=True), chat=True)]
             deadline = time.time() + 30
             while time.time() < deadline:  # both admitted: one running, one waiting
                 server = c.stats().server

@@ -183,7 +183,7 @@ def test_cost_gated_speculation_is_lossless_and_still_speculates_where_copying_p
                 assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 64))
                 drafted += out.summary.speculation.drafted_tokens
         assert drafted > 0
-        assert "step cost by new tokens" in v.log()
+        assert "verifier: step cost (rows×[widths" in v.log()
     finally:
         stop_verifier(v)
         ngram.kill()

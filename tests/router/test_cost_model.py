@@ -1,0 +1,75 @@
+"""The step-cost model: a measured (rows, width) table, corrected by live step timings."""
+
+from __future__ import annotations
+
+import threading
+
+from router.cost_model import LiveStepCost, StepCost, choose_width
+
+# Shaped like this CPU's start-up table (ms): one row's cost rises slowly with width, eight rows' fast.
+TABLE = StepCost(
+    (1, 2, 4, 8),
+    (1, 2, 4, 8, 16, 32, 64),
+    (
+        (31.3, 32.0, 43.4, 52.7, 57.4, 70.0, 104.5),
+        (34.6, 43.8, 52.2, 55.7, 68.5, 102.7, 155.1),
+        (47.7, 55.2, 58.4, 70.2, 105.2, 149.1),
+        (56.9, 56.9, 69.6, 102.5, 152.9),
+    ),
+)
+
+
+def test_table_is_exact_at_measured_points_and_never_falls_with_more_rows_or_tokens():
+    assert TABLE(8, 4) == 69.6 and TABLE(1, 64) == 104.5
+    for rows in range(1, 17):
+        costs = [TABLE(rows, w) for w in range(1, 65)]
+        assert costs == sorted(costs), rows
+    for w in range(1, 65):
+        costs = [TABLE(r, w) for r in range(1, 17)]
+        assert costs == sorted(costs), w
+    assert TABLE(8, 32) > TABLE(8, 16)  # past the measured widths: extrapolated, still rising
+
+
+def test_live_cost_learns_a_slower_cell_and_leaves_a_measured_fast_one_alone():
+    live = LiveStepCost(TABLE, smoothing=0.2, min_samples=4)
+    assert live(8, 4) == TABLE(8, 4)  # nothing observed: the start-up table
+    for _ in range(50):
+        live.observe(8, 1, 2.0 * TABLE(8, 1))  # a long context makes 8-row plain steps twice as dear
+        live.observe(1, 8, TABLE(1, 8))  # one-row wide steps as measured
+    assert abs(live.ratio(8, 1) - 2.0) < 0.01
+    assert abs(live.ratio(1, 8) - 1.0) < 0.01
+    assert 1.0 < live.ratio(8, 4) < 2.0  # unobserved cell: the overall ratio
+
+
+def test_speculation_at_eight_rows_stops_once_live_steps_show_wide_ones_are_dear():
+    expected = [[0.0, 0.5, 0.8, 1.0]] * 8  # 8 rows, each expecting ~1 accepted token at width 4
+    live = LiveStepCost(TABLE, smoothing=0.3, min_samples=3)
+    assert choose_width(expected, live) > 1  # the table alone says speculation pays
+    for _ in range(20):
+        live.observe(8, 1, TABLE(8, 1))
+        for w in (2, 3, 4):
+            live.observe(8, w, 2.5 * TABLE(8, w))  # but wide steps really take 2.5x
+    assert choose_width(expected, live) == 1
+
+
+def test_concurrent_observers_and_readers_never_see_a_broken_value():
+    live = LiveStepCost(TABLE, smoothing=0.1, min_samples=1)
+    errors: list[float] = []
+
+    def write() -> None:
+        for i in range(2000):
+            live.observe(1 + i % 8, 1 + i % 16, 1.5 * TABLE(1 + i % 8, 1 + i % 16))
+
+    def read() -> None:
+        for i in range(2000):
+            ratio = live(1 + i % 8, 1 + i % 16) / TABLE(1 + i % 8, 1 + i % 16)
+            if not 0.99 <= ratio <= 1.51:
+                errors.append(ratio)
+
+    threads = [threading.Thread(target=f) for f in (write, write, read, read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert abs(live.ratio(4, 4) - 1.5) < 1e-6
