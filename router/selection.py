@@ -39,7 +39,7 @@ class SelectionConfig:
     ucb_c: float = 0.5
     prior_mean: float = 0.5  # α prior at depth 1 where nothing is known
     prior_strength: float = 2.0  # pseudo-trials behind a prior
-    max_k: int = 16  # draft tokens per step, at most
+    max_k: int = 32  # draft tokens per step, at most
     min_gain: float = 0.02  # speculate only when goodput beats plain decoding by this fraction
     switch_margin: float = 0.05  # mid-request: another proposer must beat the current one by this much
     seed: int = 0

@@ -54,8 +54,8 @@ _MODE_TO_PB = {
 _PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
 
 
-DEFAULT_TREE_NODES = 16
-DEFAULT_TREE_DEPTH = 12
+DEFAULT_TREE_NODES = 32
+DEFAULT_TREE_DEPTH = 24
 
 
 @dataclass(frozen=True)
