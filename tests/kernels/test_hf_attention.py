@@ -72,7 +72,7 @@ def test_model_runner_through_the_kernel_matches_the_sdpa_path(tiny_llama, monke
         ModelRunner(copy.deepcopy(tiny_llama), torch.device("cpu"), torch.float32, 256, tree_kernel=flag)
         for flag in (False, True)
     ]
-    assert [r.model.config._attn_implementation for r in runners] == ["sdpa", "specmesh_tree"]
+    assert [r.model.config._attn_implementation for r in runners] == ["specmesh_gqa", "specmesh_tree"]
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 64, (3, 20), generator=gen)
     pos = torch.arange(20)[None].repeat(3, 1)
