@@ -22,22 +22,28 @@ from typing import Any
 import torch
 
 ATTN_NAME = "specmesh_gqa"
-_last_fold: tuple[torch.Tensor, int, torch.Tensor | None] | None = None  # every layer gets the same mask object
+_folded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (mask, groups, fold): all layers share one mask
 
 
-def fold_gqa(query: torch.Tensor, mask: torch.Tensor | None, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """query [b, H, n, D] → [b, H / g, g·n, D]; mask [b, 1, n, kv] → [b, 1, g·n, kv].
+def fold_queries(query: torch.Tensor, groups: int) -> torch.Tensor:
+    """query [b, H, n, D] → [b, H / g, g·n, D]: the heads sharing a key/value head, side by side.
 
     >>> q = torch.arange(8.0).reshape(1, 4, 2, 1)        # heads 0..3, two queries each
-    >>> fq, fm = fold_gqa(q, torch.zeros(1, 1, 2, 3), 2)
-    >>> fq[0, :, :, 0].tolist(), tuple(fm.shape)         # kv head 0 serves heads 0 and 1
-    ([[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]], (1, 1, 4, 3))
+    >>> fold_queries(q, 2)[0, :, :, 0].tolist()          # kv head 0 serves heads 0 and 1
+    [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     """
     b, heads, n, dim = query.shape
-    folded = query.reshape(b, heads // groups, groups * n, dim)
-    if mask is not None and mask.shape[-2] == n and groups > 1:
-        mask = mask.expand(mask.shape[0], mask.shape[1], n, mask.shape[-1]).repeat(1, 1, groups, 1)
-    return folded, mask
+    return query.reshape(b, heads // groups, groups * n, dim)
+
+
+def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """mask [b, 1, n, kv] → [b, 1, g·n, kv], matching :func:`fold_queries` (one row for every query
+    broadcasts as it is).
+
+    >>> tuple(fold_mask(torch.zeros(1, 1, 2, 3), 2).shape), tuple(fold_mask(torch.zeros(1, 1, 1, 3), 2).shape)
+    ((1, 1, 4, 3), (1, 1, 1, 3))
+    """
+    return mask if mask.shape[-2] == 1 else mask.repeat(1, 1, groups, 1)
 
 
 def gqa_attention_forward(
@@ -51,7 +57,7 @@ def gqa_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [b, H, n, D], key/value [b, kv_heads, kv, D] → ([b, n, H, D], None)."""
-    global _last_fold
+    global _folded
     b, heads, n, dim = query.shape
     groups = heads // key.shape[1]
     if attention_mask is None or groups == 1 or n == 1:  # implicit causality, no repeat, or a decode step
@@ -60,16 +66,14 @@ def gqa_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    q, _ = fold_gqa(query, None, groups)  # [b, kv_heads, g·n, D]
-    last = _last_fold
-    same = last is not None and last[0] is attention_mask and last[1] == groups
-    if same and (last[2] is None or last[2].shape[-2] == groups * n):
-        mask = last[2]  # folded once per forward, not once per layer
+    cached = _folded
+    if cached is not None and cached[0] is attention_mask and cached[1] == groups:
+        mask = cached[2]  # folded once per forward, not once per layer
     else:
-        mask = fold_gqa(query, attention_mask, groups)[1]  # [b, 1, g·n, kv]
-        _last_fold = (attention_mask, groups, mask)
+        mask = fold_mask(attention_mask, groups)  # [b, 1, g·n, kv]
+        _folded = (attention_mask, groups, mask)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=False
+        fold_queries(query, groups), key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=False
     )  # [b, kv_heads, g·n, D]
     return out.reshape(b, heads, n, dim).transpose(1, 2).contiguous(), None
 
