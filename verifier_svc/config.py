@@ -17,6 +17,7 @@ class VerifierConfig:
     device: str | None = None
     dtype: str | None = None
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    packed_linears: bool = True  # CPU: linear layers through oneDNN with pre-packed weights
     max_context: int = 0  # 0 = the model's max_position_embeddings
     proposers: tuple[tuple[str, str], ...] = ()  # (name, address)
     auto_proposers: tuple[str, ...] | None = None  # what `auto` may pick; None = every configured one
@@ -41,6 +42,13 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--device", default=_env("DEVICE", "") or None, help="cpu, cuda, cuda:1 …; default: GPU if present")
     p.add_argument("--dtype", default=_env("DTYPE", "") or None, help="float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=int(_env("THREADS", "0")), help="torch threads (0 = default)")
+    p.add_argument(
+        "--linears",
+        choices=["packed", "stock"],
+        default=_env("LINEARS", "packed"),
+        help="CPU float32: packed = linear layers through oneDNN with weights packed once at start-up "
+        "(faster multi-token steps); stock = transformers' own",
+    )
     p.add_argument("--max-context", type=int, default=int(_env("MAX_CONTEXT", "0")), help="0 = model maximum")
     p.add_argument("--max-running", type=int, default=int(_env("MAX_RUNNING", "32")), help="batch slots")
     p.add_argument("--max-waiting", type=int, default=int(_env("MAX_WAITING", "64")), help="queued requests")
@@ -117,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         device=a.device,
         dtype=a.dtype,
         threads=a.threads,
+        packed_linears=a.linears == "packed",
         max_context=a.max_context,
         proposers=tuple(proposers),
         auto_proposers=_auto_proposers(p, a.auto_proposers, [n for n, _ in proposers]),

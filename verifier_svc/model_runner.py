@@ -14,6 +14,7 @@ import torch
 
 from router.cost_model import StepCost
 from verifier_svc import attention as gqa_attention
+from verifier_svc import packed_linear
 from verifier_svc.kv_cache import SlotKVCache
 
 
@@ -31,10 +32,21 @@ def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(
-        self, model: Any, device: torch.device, dtype: torch.dtype, max_context: int, tree_kernel: bool | None = None
+        self,
+        model: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_context: int,
+        tree_kernel: bool | None = None,
+        packed_linears: bool = False,
     ) -> None:
         """``tree_kernel``: attention through the Triton tree-attention kernel (``kernels.hf_attention``);
-        default on CUDA only. Elsewhere SDPA over the cache without repeating K/V (``attention``)."""
+        default on CUDA only. Elsewhere SDPA over the cache without repeating K/V (``attention``).
+        ``packed_linears``: on a CPU, replace the model's linear layers in place by oneDNN ones with
+        pre-packed weights (``packed_linear``; ignored where unsupported)."""
+        self.packed_linears = packed_linears and packed_linear.supported(device, dtype)
+        if self.packed_linears:
+            packed_linear.pack_linears(model)
         self.model = model
         self.decoder = model.get_decoder()  # the base model: hidden states, no lm_head
         self.lm_head = model.get_output_embeddings()

@@ -342,7 +342,9 @@ async def run(config: VerifierConfig) -> None:
         f"verifier: model {lm.name} from {lm.path} on {lm.device} ({lm.dtype}) in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
-    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context)
+    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context, packed_linears=config.packed_linears)
+    if runner.packed_linears:
+        print("verifier: linear layers run through oneDNN with pre-packed weights (--linears stock: off)", flush=True)
     step_cost = None
     if config.proposers and config.spec_gating == "cost":
         t1 = time.perf_counter()
