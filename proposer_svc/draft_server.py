@@ -295,6 +295,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=env("SPECMESH_DRAFT_DEVICE", "") or None, help="cpu, cuda, cuda:1 …")
     p.add_argument("--dtype", default=env("SPECMESH_DRAFT_DTYPE", "") or None, help="float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=int(env("SPECMESH_DRAFT_THREADS", "1")), help="torch threads")
+    p.add_argument(
+        "--linears",
+        choices=["packed", "stock"],
+        default=env("SPECMESH_DRAFT_LINEARS", "packed"),
+        help="CPU float32: packed = linear layers through oneDNN with weights packed once; stock = transformers'",
+    )
     p.add_argument("--max-batch", type=int, default=int(env("SPECMESH_DRAFT_MAX_BATCH", "16")))
     p.add_argument("--max-nodes", type=int, default=int(env("SPECMESH_DRAFT_MAX_NODES", "16")))
     p.add_argument("--max-depth", type=int, default=int(env("SPECMESH_DRAFT_MAX_DEPTH", "6")))
@@ -322,7 +328,8 @@ async def run(a: argparse.Namespace) -> None:
     config = DraftConfig(
         max_nodes=a.max_nodes, max_depth=a.max_depth, width=a.width, branch=a.branch, max_batch=a.max_batch
     )
-    runner = ModelRunner(lm.model, lm.device, lm.dtype, min(a.max_context or model_max, model_max))
+    max_context = min(a.max_context or model_max, model_max)
+    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context, packed_linears=a.linears == "packed")
     identity = proposer_pb2.VocabIdentity(vocab_size=runner.vocab_size, tokenizer_hash=tokenizer_hash(lm.tokenizer))
     print(
         f"draft: model {lm.name} ({text_cfg.num_hidden_layers} layers) from {lm.path} on {lm.device} ({lm.dtype}), "

@@ -138,7 +138,7 @@ class _Sequence:
     accept_s: float = 1.0  # prior α = 0.5
     accept_t: float = 2.0
     shadow: tuple[TokenTree, int, int] | None = None  # (skipped tree, current index, matched)
-    k_cap: int = -1  # the router's draft tokens per step for this request (-1: no cap, 0: none)
+    k_cap: int = -1  # the router's draft tokens per step (-1: no cap; 0: start plain, own acceptance decides)
     failed_proposers: set[str] = field(default_factory=set)
 
     @property
@@ -216,7 +216,8 @@ class Engine:
         """Queue a request; its events go to ``sink`` (called from the engine thread).
 
         ``session``: the request's open proposer stream, or None for plain decoding. ``k_cap``: the
-        router's draft tokens per step (-1 none). ``prior_alpha``: the proposer's per-token acceptance
+        router's draft tokens per step (-1 none; 0: the request starts without speculation and its own
+        acceptance, scored on the trees it skips, may turn it on). ``prior_alpha``: the proposer's per-token acceptance
         from the shared statistics, the start of this request's own estimate (2 pseudo-trials).
         """
         with self._lock:
@@ -487,7 +488,7 @@ class Engine:
                 self._drop_session(seq, seq.session.failed)
         # Wait for trees only where speculation may pay this step (by the cost model); others use
         # a tree only if it is already there (it still feeds the acceptance estimate).
-        promising = [s for s in seqs if s.session is not None and s.k_cap != 0]
+        promising = [s for s in seqs if s.session is not None]
         if self.step_cost is not None and promising:
             chains = [  # as if every live proposer sent a full chain
                 self._expected_by_width(s, list(range(-1, s.session.limits.max_depth - 1))) if s.session else [0.0]
@@ -508,9 +509,9 @@ class Engine:
                 tree = seq.session.take(seq.context_length, recent)
                 if tree is not None:
                     seq.last_tree = now
-                    if 0 <= seq.k_cap < len(tree):  # the router's cap; a skipped tree still scores
-                        if seq.k_cap == 0 and seq.shadow is None:
-                            seq.shadow = (tree, 0, 0)
+                    # The router's k caps the tree. Its "off" (0) is only where the request starts:
+                    # the request's own acceptance, which skipped trees keep scoring, decides after.
+                    if 0 < seq.k_cap < len(tree):
                         tree = truncate(tree, seq.k_cap)
                 elif now - max(seq.last_tree, seq.session.last_response) > self.config.proposer_timeout_s:
                     self._drop_session(
@@ -562,21 +563,24 @@ class Engine:
         """Walk a skipped tree along the emitted tokens; its would-be acceptance updates the EWMA
         (and, once decided, is returned as a sample for the router's statistics)."""
         tree, node, matched = seq.shadow
-        rejected = False
+        rejected, levels = False, 0  # levels matched by this step's tokens
         for tok in emitted:
             nxt = next((i + 1 for i, p in enumerate(tree.parents) if p + 1 == node and tree.tokens[i] == tok), None)
             if nxt is None:
                 rejected = True
                 break
-            node, matched = nxt, matched + 1
+            node, matched, levels = nxt, matched + 1, levels + 1
             if node - 1 not in tree.parents:  # reached a leaf
                 break
         else:
-            seq.shadow = (tree, node, matched)  # still inside the tree: wait for more tokens
+            # Still inside the tree: this step's levels count now (censored, no failure yet), so a
+            # request whose skipped trees keep guessing right turns speculation on within steps.
+            seq.shadow = (tree, node, matched)
+            self._observe(seq, levels, False)
             return None
         seq.shadow = None
-        self._observe(seq, matched, rejected)
-        return AcceptanceStats.of_step(len(tree), matched, rejected)
+        self._observe(seq, levels, rejected)
+        return AcceptanceStats.of_step(len(tree), matched, rejected)  # the router: one sample per tree
 
     def _drop_session(self, seq: _Sequence, reason: str) -> None:
         seq.spec.fallback_reason = reason
