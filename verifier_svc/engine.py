@@ -29,7 +29,7 @@ from verifier_svc.model_runner import ModelRunner, causal_mask
 from verifier_svc.proposer_client import ProposerSession, wait_for_trees
 from verifier_svc.requests import GenerationRequest
 from verifier_svc.sampling import filter_logits, sample_next
-from verifier_svc.tree import TokenTree, depths, truncate, verification_layout
+from verifier_svc.tree import TokenTree, depths, follow, truncate, verification_layout
 
 if TYPE_CHECKING:
     from router.selection import Router
@@ -560,27 +560,18 @@ class Engine:
         seq.accept_t += _EWMA * (accepted + rejected - seq.accept_t)
 
     def _follow_shadow(self, seq: _Sequence, emitted: list[int]) -> AcceptanceStats | None:
-        """Walk a skipped tree along the emitted tokens; its would-be acceptance updates the EWMA
-        (and, once decided, is returned as a sample for the router's statistics)."""
+        """Walk a skipped tree along the emitted tokens. Each step's matched levels update the
+        request's acceptance estimate at once (censored while the walk goes on), so a request whose
+        skipped trees keep guessing right turns speculation on within a few steps; once decided, the
+        whole tree is returned as one sample for the router's statistics."""
         tree, node, matched = seq.shadow
-        rejected, levels = False, 0  # levels matched by this step's tokens
-        for tok in emitted:
-            nxt = next((i + 1 for i, p in enumerate(tree.parents) if p + 1 == node and tree.tokens[i] == tok), None)
-            if nxt is None:
-                rejected = True
-                break
-            node, matched, levels = nxt, matched + 1, levels + 1
-            if node - 1 not in tree.parents:  # reached a leaf
-                break
-        else:
-            # Still inside the tree: this step's levels count now (censored, no failure yet), so a
-            # request whose skipped trees keep guessing right turns speculation on within steps.
-            seq.shadow = (tree, node, matched)
-            self._observe(seq, levels, False)
+        node, levels, rejected = follow(tree, node, emitted)
+        self._observe(seq, levels, bool(rejected))
+        if rejected is None:
+            seq.shadow = (tree, node, matched + levels)
             return None
         seq.shadow = None
-        self._observe(seq, levels, rejected)
-        return AcceptanceStats.of_step(len(tree), matched, rejected)  # the router: one sample per tree
+        return AcceptanceStats.of_step(len(tree), matched + levels, rejected)
 
     def _drop_session(self, seq: _Sequence, reason: str) -> None:
         seq.spec.fallback_reason = reason

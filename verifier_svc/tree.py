@@ -77,6 +77,30 @@ def rebase(tree: TokenTree, tokens: list[int]) -> TokenTree | None:
     return TokenTree([tree.tokens[i] for i in keep], parents)
 
 
+def follow(tree: TokenTree, node: int, tokens: list[int]) -> tuple[int, int, bool | None]:
+    """Walk ``tokens`` down ``tree`` from ``node`` (0 = the root, i + 1 = node i): (the node reached,
+    levels matched, outcome). Outcome None: still inside the tree; False: reached a leaf (nothing
+    left to guess, censored); True: a token left the tree (a rejection).
+
+    >>> t = TokenTree([5, 6, 7, 8], [-1, 0, 1, -1])   # 5→6→7, 8
+    >>> follow(t, 0, [5])
+    (1, 1, None)
+    >>> follow(t, 1, [6, 7, 9])
+    (3, 2, False)
+    >>> follow(t, 1, [9])
+    (1, 0, True)
+    """
+    levels = 0
+    for tok in tokens:
+        nxt = next((i + 1 for i, p in enumerate(tree.parents) if p + 1 == node and tree.tokens[i] == tok), None)
+        if nxt is None:
+            return node, levels, True
+        node, levels = nxt, levels + 1
+        if node - 1 not in tree.parents:
+            return node, levels, False
+    return node, levels, None
+
+
 def validate_tree(tree: TokenTree, vocab_size: int, max_nodes: int, max_depth: int) -> list[int]:
     """Raise InvalidTree saying what is wrong; return the node depths.
 

@@ -99,3 +99,33 @@ def test_admission_limit_raises_and_stop_strings_end_generation(chat_ids, engine
     assert a.finish.finish_reason == "stop" and a.finish.stop_string == "5"
     assert "5" not in a.text and a.text  # text before the stop string only
     assert b.finish.finish_reason == "length" and len(b.tokens) == 4
+
+
+def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_skipped_trees(lm, chat_ids, hf_greedy):
+    """k_cap 0 and a poor prior (the router's "off"): the skipped n-gram trees keep guessing the
+    emitted tokens, so the request's own estimate rises and the cost gate verifies trees again."""
+    from router.cost_model import LiveStepCost, StepCost
+    from verifier_svc.local_proposer import LocalProposerSession
+    from verifier_svc.proposer_client import ProposerLimits
+
+    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context=8192)
+    # A CPU-like step cost: a 32-token step costs ~2.4x a plain one (the live steps refine it).
+    cost = LiveStepCost(StepCost.by_tokens((1, 2, 4, 8, 16, 32, 64), (1.0, 1.6, 1.7, 1.8, 2.0, 2.4, 3.6)))
+    eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(), step_cost=cost)
+    eng.start()
+    try:
+        ids = chat_ids(workload_prompts(per_category=8, max_chars=2000, categories=("code_edit",))[0])
+        limits = ProposerLimits(vocab_size=runner.vocab_size, max_nodes=32, max_depth=24)
+        session = LocalProposerSession("ngram", ids, limits, eng.trees_arrived)
+        got = Collector()
+        spec = SpecRequest("ngram", 0, 0, "", "")
+        req = GenerationRequest("r", ids, max_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(),
+                                ignore_eos=True, spec=spec)  # fmt: skip
+        eng.submit(req, got, session, k_cap=0, prior_alpha=0.05)
+        assert got.done.wait(300)
+    finally:
+        eng.shutdown()
+    assert_greedy_equal(lm, ids, got.tokens, hf_greedy(ids, 64))
+    spec = got.finish.spec
+    assert spec.steps > 0 and spec.accepted > 0  # verified trees, and they paid
+    assert got.finish.steps < 48, f"{got.finish.steps} steps for 64 tokens"  # well under one token per step
