@@ -26,6 +26,7 @@ from proposer_svc.server import add_metrics_flag
 from specmesh.metrics import ProposerMetrics
 from specmesh.serving import new_server, serve
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+from verifier_svc.packed_linear import add_linears_flag
 
 log = logging.getLogger(__name__)
 
@@ -295,12 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=env("SPECMESH_DRAFT_DEVICE", "") or None, help="cpu, cuda, cuda:1 …")
     p.add_argument("--dtype", default=env("SPECMESH_DRAFT_DTYPE", "") or None, help="float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=int(env("SPECMESH_DRAFT_THREADS", "1")), help="torch threads")
-    p.add_argument(
-        "--linears",
-        choices=["packed", "stock"],
-        default=env("SPECMESH_DRAFT_LINEARS", "packed"),
-        help="CPU float32: packed = linear layers through oneDNN with weights packed once; stock = transformers'",
-    )
+    add_linears_flag(p, env("SPECMESH_DRAFT_LINEARS", "packed"))
     p.add_argument("--max-batch", type=int, default=int(env("SPECMESH_DRAFT_MAX_BATCH", "16")))
     p.add_argument("--max-nodes", type=int, default=int(env("SPECMESH_DRAFT_MAX_NODES", "16")))
     p.add_argument("--max-depth", type=int, default=int(env("SPECMESH_DRAFT_MAX_DEPTH", "6")))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from verifier_svc.engine import EngineConfig
 from verifier_svc.local_proposer import inprocess_kind
+from verifier_svc.packed_linear import add_linears_flag
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p.add_argument("--device", default=_env("DEVICE", "") or None, help="cpu, cuda, cuda:1 …; default: GPU if present")
     p.add_argument("--dtype", default=_env("DTYPE", "") or None, help="float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=int(_env("THREADS", "0")), help="torch threads (0 = default)")
-    p.add_argument(
-        "--linears",
-        choices=["packed", "stock"],
-        default=_env("LINEARS", "packed"),
-        help="CPU float32: packed = linear layers through oneDNN with weights packed once at start-up "
-        "(faster multi-token steps); stock = transformers' own",
-    )
+    add_linears_flag(p, _env("LINEARS", "packed"))
     p.add_argument("--max-context", type=int, default=int(_env("MAX_CONTEXT", "0")), help="0 = model maximum")
     p.add_argument("--max-running", type=int, default=int(_env("MAX_RUNNING", "32")), help="batch slots")
     p.add_argument("--max-waiting", type=int, default=int(_env("MAX_WAITING", "64")), help="queued requests")

@@ -14,6 +14,8 @@ own ``generate()`` is tested through the verifier service.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 # The weight layout is blocked for about this many rows (steps bring 1 … ~100; measured flat
@@ -67,3 +69,14 @@ def pack_linears(model: torch.nn.Module, rows_hint: int = ROWS_HINT) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, rows_hint))
     return len(swaps)
+
+
+def add_linears_flag(p: argparse.ArgumentParser, default: str) -> None:
+    """``--linears packed|stock``, shared by the services that run a model through ``ModelRunner``."""
+    p.add_argument(
+        "--linears",
+        choices=["packed", "stock"],
+        default=default,
+        help="CPU float32: packed = linear layers through oneDNN with weights packed once at start-up "
+        "(faster multi-token steps); stock = transformers' own",
+    )
