@@ -138,7 +138,7 @@ class _Sequence:
     accept_s: float = 1.0  # prior α = 0.5
     accept_t: float = 2.0
     shadow: tuple[TokenTree, int, int] | None = None  # (skipped tree, current index, matched)
-    k_cap: int = -1  # the router's draft tokens per step (-1: no cap; 0: start plain, own acceptance decides)
+    k_cap: int = -1  # the router's draft tokens per step; ≤ 0: no cap (its "off" acts through the prior α)
     failed_proposers: set[str] = field(default_factory=set)
 
     @property
@@ -216,9 +216,10 @@ class Engine:
         """Queue a request; its events go to ``sink`` (called from the engine thread).
 
         ``session``: the request's open proposer stream, or None for plain decoding. ``k_cap``: the
-        router's draft tokens per step (-1 none; 0: the request starts without speculation and its own
-        acceptance, scored on the trees it skips, may turn it on). ``prior_alpha``: the proposer's per-token acceptance
-        from the shared statistics, the start of this request's own estimate (2 pseudo-trials).
+        router's draft tokens per step, a cap on every tree (≤ 0: none). ``prior_alpha``: the proposer's
+        per-token acceptance from the shared statistics, the start of this request's own estimate
+        (2 pseudo-trials): where the router says speculation does not pay, it starts low and the cost
+        gate decodes plainly until the trees the request skips prove it wrong.
         """
         with self._lock:
             if not self._accepting:
@@ -509,8 +510,8 @@ class Engine:
                 tree = seq.session.take(seq.context_length, recent)
                 if tree is not None:
                     seq.last_tree = now
-                    # The router's k caps the tree. Its "off" (0) is only where the request starts:
-                    # the request's own acceptance, which skipped trees keep scoring, decides after.
+                    # The router's k caps the tree; whether to speculate at all is the cost gate's call,
+                    # from the request's own acceptance (which skipped trees keep scoring).
                     if 0 < seq.k_cap < len(tree):
                         tree = truncate(tree, seq.k_cap)
                 elif now - max(seq.last_tree, seq.session.last_response) > self.config.proposer_timeout_s:

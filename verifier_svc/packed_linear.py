@@ -39,8 +39,7 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, rows_hint: int = ROWS_HINT) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)  # opaque
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)  # opaque
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
