@@ -52,6 +52,7 @@ COPY pyproject.toml README.md ./
 COPY specmesh ./specmesh
 COPY verifier_svc ./verifier_svc
 COPY proposer_svc ./proposer_svc
+COPY gateway_svc ./gateway_svc
 COPY router ./router
 COPY kernels ./kernels
 RUN pip install ".[serve]"
@@ -88,7 +89,7 @@ ENV PATH=/opt/venv/bin:${PATH} \
 WORKDIR /tmp
 USER 10001:10001
 # verifier, ngram, draft, rag; Prometheus /metrics
-EXPOSE 50051 50061 50062 50063 9090
+EXPOSE 8000 50051 50061 50062 50063 9090
 # tini as PID 1: forwards SIGTERM (the services drain on it) and reaps children.
 ENTRYPOINT ["/usr/bin/tini", "--", "specmesh"]
 CMD ["serve", "verifier", "--address", "0.0.0.0:50051"]

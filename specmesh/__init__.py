@@ -1,7 +1,7 @@
 """SpecMesh client SDK. Imports grpc and protobuf only (no torch)."""
 
 from specmesh.client import AsyncClient, Client, GenerationStream
-from specmesh.params import Chunk, Completion, SamplingParams, SpecDecodeParams, Summary
+from specmesh.params import Chunk, Completion, SamplingParams, SpecDecodeParams, Summary, TokenLogprob, TopLogprob
 
 __all__ = [
     "AsyncClient",
@@ -12,5 +12,7 @@ __all__ = [
     "SamplingParams",
     "SpecDecodeParams",
     "Summary",
+    "TokenLogprob",
+    "TopLogprob",
 ]
 __version__ = "0.1.0"

@@ -50,6 +50,7 @@ SERVICES = {
     "ngram": "proposer_svc.server",
     "draft": "proposer_svc.draft_server",
     "rag": "proposer_svc.rag_server",
+    "gateway": "gateway_svc.server",
 }
 # Commands that own their whole argument list (`specmesh NAME …` → module.main(argv)).
 TOOLS: dict[str, str] = {
@@ -90,6 +91,7 @@ def _deployment(args: argparse.Namespace):
         rag_address=args.rag,
         draft_address=args.draft,
         draft_model=args.draft_model,
+        gateway_address=args.gateway,
         run_dir=Path(args.run_dir) if args.run_dir else DeploymentConfig().run_dir,
     )
     return LocalDeployment(cfg)
@@ -101,6 +103,8 @@ def _up(args: argparse.Namespace) -> None:
     dep.start()
     for svc in dep.services:
         print(f"  {svc.name:<10} {svc.address:<22} pid {svc.proc.pid}  log {svc.log_path}", flush=True)
+    if dep.gateway_url:
+        print(f"specmesh: OpenAI-compatible API at {dep.gateway_url} (e.g. OpenAI(base_url=...))", flush=True)
     print("specmesh: ready. Ctrl-C stops every service.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -163,16 +167,16 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _status(args: argparse.Namespace) -> None:
-    from specmesh.deploy import check_health, known_services
+    from specmesh.deploy import check_health, check_http_health, known_health_urls, known_services
 
-    services = dict(known_services())
+    services, urls = dict(known_services()), known_health_urls()
     for i, addr in enumerate(args.target or []):
         services[f"target{i}"] = addr
     if not services:
         services = {"verifier": DEFAULT_ADDRESS}
     bad = 0
     for name, addr in services.items():
-        state = check_health(addr)
+        state = check_http_health(urls[name]) if name in urls else check_health(addr)
         bad += state != "SERVING"
         print(f"{name:<10} {addr:<22} {state}")
     sys.exit(1 if bad else 0)
@@ -237,9 +241,41 @@ def _demo(args: argparse.Namespace) -> None:
             total = sum(len(r.token_ids) for r in results)
             print(f"    first answer: {results[0].text.strip()[:100]!r}")
             print(f"    {len(results)} streams: {total / elapsed:.1f} tok/s aggregate", flush=True)
+        if dep.gateway_url:
+            _demo_openai(dep.gateway_url)
     finally:
         dep.stop()
         print("specmesh demo: services stopped.", flush=True)
+
+
+def _demo_openai(base_url: str) -> None:
+    """The same server through its OpenAI-compatible API, with the official client."""
+    from openai import OpenAI
+
+    print(f"\n>>> The OpenAI API at {base_url}: a streamed chat, speculation chosen per request…\n", flush=True)
+    client = OpenAI(base_url=base_url, api_key="unused")
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": DEMO_PROMPT}],
+        max_tokens=120,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"spec_decode": {"proposer": "ngram"}},
+    )
+    for chunk in stream:
+        if chunk.choices:
+            sys.stdout.write(chunk.choices[0].delta.content or "")
+            sys.stdout.flush()
+        elif chunk.usage is not None:
+            spec = (chunk.model_extra or {}).get("metrics", {}).get("speculative_decoding", {})
+            print(
+                f"\n[usage {chunk.usage.completion_tokens} tokens; speculation: "
+                f"{spec.get('num_accepted_draft_tokens')}/{spec.get('num_draft_tokens')} drafted tokens accepted, "
+                f"mean acceptance length {spec.get('mean_acceptance_length', 0):.2f}]",
+                flush=True,
+            )
 
 
 def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
@@ -252,6 +288,12 @@ def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft", default="", metavar="ADDRESS", help="also start a draft-model proposer here")
     p.add_argument("--draft-model", default=None, help="the draft's HF folder (default: the target model)")
+    p.add_argument(
+        "--gateway",
+        default="127.0.0.1:8000",
+        metavar="ADDRESS",
+        help="the OpenAI-compatible HTTP gateway's host:port (default 127.0.0.1:8000); '' = none",
+    )
     p.add_argument(
         "--redis-url",
         default=os.environ.get("SPECMESH_REDIS_URL", ""),

@@ -35,7 +35,7 @@ class GenerationStream:
             if resp.HasField("summary"):
                 self.summary = Summary.from_proto(resp.summary)
             else:
-                yield Chunk(list(resp.chunk.token_ids), resp.chunk.text)
+                yield Chunk.from_proto(resp.chunk)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -65,8 +65,7 @@ class Client:
         out = Completion()
         stream = self.generate(prompt, sampling, spec, chat=chat, timeout=timeout)
         for chunk in stream:
-            out.text += chunk.text
-            out.token_ids.extend(chunk.token_ids)
+            out.add(chunk)
         out.summary = stream.summary
         return out
 
@@ -107,13 +106,17 @@ class AsyncClient:
         request_id: str = "",
         timeout: float | None = None,
     ) -> AsyncIterator[Chunk | Summary]:
-        """Yields ``Chunk``s, then exactly one ``Summary``."""
+        """Yields ``Chunk``s, then exactly one ``Summary``. Closing the generator early (or cancelling
+        the task reading it) cancels the RPC, and the verifier frees the request's slot."""
         call = self._gen.Generate(build_request(prompt, sampling, spec, chat, request_id), timeout=timeout)
-        async for resp in call:
-            if resp.HasField("summary"):
-                yield Summary.from_proto(resp.summary)
-            else:
-                yield Chunk(list(resp.chunk.token_ids), resp.chunk.text)
+        try:
+            async for resp in call:
+                if resp.HasField("summary"):
+                    yield Summary.from_proto(resp.summary)
+                else:
+                    yield Chunk.from_proto(resp.chunk)
+        finally:
+            call.cancel()  # no-op once the stream has ended
 
     async def complete(self, prompt: Prompt, sampling: SamplingParams | None = None,
                        spec: SpecDecodeParams | None = None, *, chat: bool = False,
@@ -123,12 +126,11 @@ class AsyncClient:
             if isinstance(item, Summary):
                 out.summary = item
             else:
-                out.text += item.text
-                out.token_ids.extend(item.token_ids)
+                out.add(item)
         return out
 
-    async def stats(self) -> admin_pb2.GetStatsResponse:
-        return await self._admin.GetStats(admin_pb2.GetStatsRequest())
+    async def stats(self, timeout: float | None = None) -> admin_pb2.GetStatsResponse:
+        return await self._admin.GetStats(admin_pb2.GetStatsRequest(), timeout=timeout)
 
     async def set_policy(self, policy: admin_pb2.SpeculationPolicy) -> admin_pb2.SpeculationPolicy:
         return (await self._admin.SetPolicy(admin_pb2.SetPolicyRequest(policy=policy))).policy

@@ -44,6 +44,36 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
     raise TimeoutError(f"service at {address} not healthy after {timeout_s:.0f} s")
 
 
+def wait_http_healthy(
+    url: str, timeout_s: float, proc: subprocess.Popen | None = None, *, listening: bool = False
+) -> None:
+    """Block until ``url`` (an HTTP health endpoint) answers 200, or with ``listening`` answers at
+    all (a 503 too: the service is up, what it depends on is not); raise on timeout or exit."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"service at {url} exited with code {proc.returncode}")
+        state = check_http_health(url)
+        if state == "SERVING" or (listening and state.startswith("NOT_SERVING")):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
+
+
+def check_http_health(url: str, timeout_s: float = 2.0) -> str:
+    """SERVING / NOT_SERVING (an HTTP error status) / UNREACHABLE, for an HTTP health endpoint."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return "SERVING" if resp.status == 200 else f"NOT_SERVING ({resp.status})"
+    except urllib.error.HTTPError as exc:
+        return f"NOT_SERVING ({exc.code})"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"UNREACHABLE ({exc})"
+
+
 def check_health(address: str, timeout_s: float = 2.0) -> str:
     """SERVING / NOT_SERVING / UNREACHABLE (with the gRPC error)."""
     try:
@@ -70,6 +100,7 @@ class DeploymentConfig:
     rag_data_dir: Path | None = None  # None = $SPECMESH_RAG_DATA_DIR or <cache>/rag
     draft_address: str = ""  # e.g. 127.0.0.1:50062; "" = no draft proposer
     draft_model: str | None = None  # the draft's HF folder (default: the target itself)
+    gateway_address: str = ""  # the OpenAI-compatible HTTP gateway, e.g. 127.0.0.1:8000; "" = none
     max_running: int = 32
     redis_url: str = ""  # router statistics; "" = in the verifier process
     extra_verifier_args: tuple[str, ...] = ()
@@ -84,6 +115,7 @@ class Service:
     argv: list[str]
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    health_url: str = ""  # HTTP services: their health endpoint; gRPC ones use the gRPC health check
 
 
 class LocalDeployment:
@@ -119,10 +151,19 @@ class LocalDeployment:
             verifier_args += ["--threads", str(config.verifier_threads)]
         verifier = [*serve, "verifier", *verifier_args, *config.extra_verifier_args]
         self.services = [*proposers, Service("verifier", config.verifier_address, verifier)]
+        if config.gateway_address:  # after the verifier: its /health reflects the verifier's
+            gateway = [*serve, "gateway", "--address", config.gateway_address, "--verifier", config.verifier_address]
+            health = f"http://{config.gateway_address}/health"
+            self.services.append(Service("gateway", config.gateway_address, gateway, health_url=health))
 
     @property
     def verifier_address(self) -> str:
-        return self.services[-1].address
+        return self.services_by_name["verifier"].address
+
+    @property
+    def gateway_url(self) -> str:
+        """The OpenAI base URL (http://host:port/v1), or "" without a gateway."""
+        return f"http://{self.config.gateway_address}/v1" if self.config.gateway_address else ""
 
     @property
     def services_by_name(self) -> dict[str, Service]:
@@ -136,7 +177,10 @@ class LocalDeployment:
                 log = svc.log_path.open("wb")
                 svc.proc = subprocess.Popen(svc.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             for svc in self.services:
-                wait_healthy(svc.address, self.config.startup_timeout_s, svc.proc)
+                if svc.health_url:
+                    wait_http_healthy(svc.health_url, self.config.startup_timeout_s, svc.proc)
+                else:
+                    wait_healthy(svc.address, self.config.startup_timeout_s, svc.proc)
         except BaseException:
             self.stop()
             for svc in self.services:
@@ -164,7 +208,11 @@ class LocalDeployment:
             state.unlink()
 
     def _write_state(self) -> None:
-        state = {"pid": os.getpid(), "services": {s.name: s.address for s in self.services}}
+        state = {
+            "pid": os.getpid(),
+            "services": {s.name: s.address for s in self.services},
+            "health_urls": {s.name: s.health_url for s in self.services if s.health_url},  # HTTP services
+        }
         (self.config.run_dir / "deployment.json").write_text(json.dumps(state, indent=2))
 
     def __enter__(self) -> LocalDeployment:
@@ -177,7 +225,14 @@ class LocalDeployment:
 
 def known_services(run_dir: Path | None = None) -> dict[str, str]:
     """Services of the running local deployment, from the state file ``specmesh up`` writes."""
+    return dict(_state(run_dir).get("services", {}))
+
+
+def known_health_urls(run_dir: Path | None = None) -> dict[str, str]:
+    """The HTTP health endpoints of the running local deployment's HTTP services (the gateway)."""
+    return dict(_state(run_dir).get("health_urls", {}))
+
+
+def _state(run_dir: Path | None) -> dict:
     path = (run_dir or default_run_dir()) / "deployment.json"
-    if not path.exists():
-        return {}
-    return dict(json.loads(path.read_text()).get("services", {}))
+    return json.loads(path.read_text()) if path.exists() else {}

@@ -15,7 +15,8 @@ FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``None`` leaves a field to the server default (temperature 1.0, top_p 1.0, max_tokens 256)."""
+    """``None`` leaves a field to the server default (temperature 1.0, top_p 1.0, max_tokens: what
+    remains of the model's context, logprobs: none)."""
 
     temperature: float | None = None  # 0 = greedy
     top_p: float | None = None
@@ -24,10 +25,14 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # N in [0, 20]: each token's logprob and the N most likely alternatives
+    stop_token_ids: tuple[int, ...] = ()
 
     def to_proto(self) -> params_pb2.SamplingParams:
-        msg = params_pb2.SamplingParams(top_k=self.top_k, stop=list(self.stop), ignore_eos=self.ignore_eos)
-        for name in ("temperature", "top_p", "seed", "max_tokens"):
+        msg = params_pb2.SamplingParams(
+            top_k=self.top_k, stop=list(self.stop), ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids)
+        )
+        for name in ("temperature", "top_p", "seed", "max_tokens", "logprobs"):
             if (value := getattr(self, name)) is not None:
                 setattr(msg, name, value)
         return msg
@@ -52,9 +57,36 @@ class SpecDecodeParams:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    token: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability and the most likely alternatives at its position."""
+
+    logprob: float
+    token: str
+    top: tuple[TopLogprob, ...] = ()
+
+    @classmethod
+    def from_proto(cls, msg: generation_pb2.TokenLogprob) -> TokenLogprob:
+        top = tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in msg.top_logprobs)
+        return cls(msg.logprob, msg.token, top)
+
+
+@dataclass(frozen=True)
 class Chunk:
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs was set
+
+    @classmethod
+    def from_proto(cls, msg: generation_pb2.TokenChunk) -> Chunk:
+        lps = [TokenLogprob.from_proto(lp) for lp in msg.logprobs] if msg.logprobs else None
+        return cls(list(msg.token_ids), msg.text, lps)
 
 
 @dataclass(frozen=True)
@@ -87,6 +119,13 @@ class Completion:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     summary: Summary | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *chunk.logprobs]
 
 
 Prompt = str | list[int] | list[dict[str, str]]

@@ -67,6 +67,54 @@ def stop_verifier(v: VerifierProcess) -> None:
             v.proc.kill()
 
 
+@dataclass
+class GatewayProcess:
+    url: str  # http://127.0.0.1:PORT/v1
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_gateway(tmp_path: Path, verifier: str, *args: str, healthy: bool = True) -> GatewayProcess:
+    """``specmesh serve gateway`` in its own process; returns once it listens (and, with ``healthy``,
+    once its /health reports the verifier SERVING)."""
+    from specmesh.deploy import free_port, wait_http_healthy
+
+    port = free_port()
+    log_path = tmp_path / f"gateway-{port}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "specmesh",
+        "serve",
+        "gateway",
+        "--address",
+        f"127.0.0.1:{port}",
+        "--verifier",
+        verifier,
+        *args,
+    ]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_http_healthy(f"http://127.0.0.1:{port}/health", 60, proc, listening=not healthy)
+    except (RuntimeError, TimeoutError):
+        proc.kill()
+        raise AssertionError(f"gateway did not start:\n{log_path.read_text(errors='replace')[-3000:]}") from None
+    return GatewayProcess(f"http://127.0.0.1:{port}/v1", proc, log_path)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def assert_greedy_equal(lm, prompt_ids: list[int], got: list[int], want: list[int]) -> None:
     """Token-identical, or the first difference is a genuine near-tie of the target.
 

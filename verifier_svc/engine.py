@@ -25,6 +25,7 @@ from router.cost_model import LiveStepCost, choose_width
 from router.stats import AcceptanceStats
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.detokenizer import IncrementalDetokenizer, StopStringFilter
+from verifier_svc.logprobs import TokenLogprob, token_logprobs
 from verifier_svc.model_runner import ModelRunner, causal_mask
 from verifier_svc.proposer_client import ProposerSession, wait_for_trees
 from verifier_svc.requests import GenerationRequest
@@ -52,6 +53,16 @@ class EngineConfig:
     recent_tokens: int = 32  # how far a late tree may be re-rooted (greedy requests)
 
 
+def _repeat(values: list, repeats: list[int], device: torch.device) -> torch.Tensor:
+    """``values[i]`` repeated ``repeats[i]`` times, as one tensor: a request's setting for each of
+    its logits rows.
+
+    >>> _repeat([0.5, 1.0], [2, 1], torch.device("cpu")).tolist()
+    [0.5, 0.5, 1.0]
+    """
+    return torch.repeat_interleave(torch.tensor(values, device=device), torch.tensor(repeats, device=device))
+
+
 class EngineFull(Exception):
     """More concurrent requests than the engine admits."""
 
@@ -64,6 +75,7 @@ class EngineStopped(Exception):
 class TokenEvent:
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token, for requests that asked
 
 
 @dataclass
@@ -356,16 +368,17 @@ class Engine:
             return
         last = torch.tensor([len(chunks[i]) - 1 for i in finished], device=dev)
         logits = self.runner.logits(hidden[torch.tensor(finished, device=dev), last])  # [f, vocab]
-        tokens = self._sample([joining[i] for i in finished], logits)
+        done = [joining[i] for i in finished]
+        tokens = self._sample(done, logits)
+        logprobs = self._logprobs(done, logits, lambda j: ([j], [tokens[j]]))
         elapsed = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.step("prefill", elapsed, int(input_ids.numel()))
-        for i, tok in zip(finished, tokens, strict=True):
-            seq = joining[i]
+        for seq, tok, lp in zip(done, tokens, logprobs, strict=True):
             seq.verify_s += elapsed
             seq.first_token = seq.last_tree = time.perf_counter()
             self.stats.prompt_tokens += len(seq.req.prompt_ids)
-            self._append(seq, [tok])
+            self._append(seq, [tok], lp)
             if seq.session is not None and not seq.done:
                 seq.session.advance([tok])  # the proposer's context must include the first token
 
@@ -404,6 +417,14 @@ class Engine:
         cols = torch.cat([torch.arange(c) for c in counts]).to(dev)
         logits = self.runner.logits(hidden[rows, cols])  # [sum(n_i + 1), vocab]: padding skipped
         results = self._accept(seqs, trees, logits, counts)
+
+        def drawn(i: int) -> tuple[list[int], list[int]]:
+            """Emitted token j of request i was drawn at its parent's row: the root (the pending token's
+            row) for the first, accepted node path[j - 1] for the rest; the bonus after the last."""
+            (path, bonus), start = results[i], sum(counts[:i])
+            return [start, *(start + 1 + k for k in path)], [*(trees[i].tokens[k] for k in path), bonus]
+
+        logprobs = self._logprobs(seqs, logits, drawn)
         elapsed = time.perf_counter() - t0
         if self.step_cost is not None:  # the cost model follows what steps really take here
             self.step_cost.observe(len(seqs), width, elapsed)
@@ -416,7 +437,7 @@ class Engine:
         def add(into: dict, key: Any, sample: AcceptanceStats) -> None:
             into[key] = into[key] + sample if key in into else sample
 
-        for seq, tree, (path, bonus) in zip(seqs, trees, results, strict=True):
+        for seq, tree, (path, bonus), lp in zip(seqs, trees, results, logprobs, strict=True):
             base = seq.length + 1  # cache slot of tree node 0
             if path != list(range(len(path))):  # keep only the accepted nodes' KV, in path order
                 self.runner.cache.gather_positions(seq.slot, torch.tensor(path, device=dev) + base, base)
@@ -440,7 +461,7 @@ class Engine:
                 shadow = self._follow_shadow(seq, emitted)
                 if shadow is not None:
                     add(samples, (seq.spec.proposer, seq.req.spec.workload_tag), shadow)
-            self._append(seq, emitted)
+            self._append(seq, emitted, lp)
             if seq.session is not None and not seq.done:
                 seq.session.advance(seq.output[before:])
         self._record(samples, verified)
@@ -619,17 +640,13 @@ class Engine:
         if sampled:
             dev = logits.device
             idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sampled]).to(dev)
-            per_row = torch.tensor([counts[i] for i in sampled], device=dev)
-
-            def expand(values: list[float] | list[int]) -> torch.Tensor:
-                return torch.repeat_interleave(torch.tensor(values, device=dev), per_row)
-
+            per_row = [counts[i] for i in sampled]
             req = [seqs[i].req for i in sampled]
             filtered = filter_logits(
                 logits[idx],
-                expand([r.temperature for r in req]),
-                expand([r.top_p for r in req]),
-                expand([r.top_k for r in req]),
+                _repeat([r.temperature for r in req], per_row, dev),
+                _repeat([r.top_p for r in req], per_row, dev),
+                _repeat([r.top_k for r in req], per_row, dev),
             )
             probs = torch.softmax(filtered, dim=-1)  # [sum over sampled rows, vocab]
             shapes = [walk_shape(trees[i]) for i in sampled]
@@ -676,7 +693,35 @@ class Engine:
         positions = torch.tensor([len(s.req.prompt_ids) + len(s.output) for s in seqs], device=dev)
         return sample_next(logits, temperature, top_p, top_k, seeds, positions).tolist()  # one host copy
 
-    def _append(self, seq: _Sequence, tokens: list[int]) -> None:
+    @staticmethod
+    def _logprobs(
+        seqs: list[_Sequence], logits: torch.Tensor, drawn: Callable[[int], tuple[list[int], list[int]]]
+    ) -> list[list[TokenLogprob] | None]:
+        """Per request, its emitted tokens' logprobs (None where it did not ask). ``drawn(i)``: the
+        logits rows and the tokens request i emitted from them, asked only of requests that want
+        logprobs. One computation and one host copy for the whole step."""
+        want = [i for i, s in enumerate(seqs) if s.req.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+        if not want:
+            return out
+        dev = logits.device
+        draws = [drawn(i) for i in want]
+        req = [seqs[i].req for i in want]
+        per_row = [len(rows) for rows, _ in draws]
+        flat = token_logprobs(
+            logits[torch.tensor([r for rows, _ in draws for r in rows], device=dev)],
+            torch.tensor([t for _, tokens in draws for t in tokens], device=dev),
+            _repeat([r.temperature for r in req], per_row, dev),
+            _repeat([r.top_p for r in req], per_row, dev),
+            _repeat([r.top_k for r in req], per_row, dev),
+            [r.logprobs for r, n in zip(req, per_row, strict=True) for _ in range(n)],
+        )
+        offset = 0
+        for i, n in zip(want, per_row, strict=True):
+            out[i], offset = flat[offset : offset + n], offset + n
+        return out
+
+    def _append(self, seq: _Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Add accepted tokens, stream them, and finish the request when a limit is hit."""
         req = seq.req
         reason = ""
@@ -684,7 +729,7 @@ class Engine:
         for tok in tokens:
             seq.output.append(tok)
             emitted.append(tok)
-            if tok in self.eos_token_ids and not req.ignore_eos:
+            if (tok in self.eos_token_ids and not req.ignore_eos) or tok in req.stop_token_ids:
                 reason = "eos"
             elif len(seq.output) >= req.max_tokens or len(req.prompt_ids) + len(seq.output) >= self.max_context:
                 reason = "length"
@@ -698,7 +743,7 @@ class Engine:
             reason = "stop"
         if reason:
             text += seq.stopper.push(seq.detok.flush()) + seq.stopper.flush()
-        seq.sink(TokenEvent(emitted, text))
+        seq.sink(TokenEvent(emitted, text, logprobs[: len(emitted)] if logprobs is not None else None))
         if reason:
             self._finish(seq, reason)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from specmesh.v1 import generation_pb2
 
-DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_TAG_CHARS = 64
 BUILTIN_PROPOSERS = ("ngram", "draft", "rag")
 
@@ -56,6 +56,8 @@ class GenerationRequest:
     stop: tuple[str, ...]
     ignore_eos: bool
     spec: SpecRequest
+    logprobs: int | None = None  # None: none; N: each token's logprob and its N most likely alternatives
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,25 @@ def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: R
         raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")
     if s.top_k < 0:
         raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 = disabled), got {s.top_k}")
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    room = limits.max_context - len(prompt_ids)  # > 0: _prompt_ids checked it
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else room  # unset: the rest of the context (as vLLM)
     if max_tokens < 1:
         raise InvalidRequest("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+    if max_tokens > room:
+        raise InvalidRequest(
+            "sampling.max_tokens",
+            f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: together "
+            f"{len(prompt_ids) + max_tokens}, over the model's context of {limits.max_context} tokens",
+        )
     if len(s.stop) > MAX_STOP_STRINGS or any(not stop for stop in s.stop):
         raise InvalidRequest("sampling.stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
+    if len(s.stop_token_ids) > MAX_STOP_STRINGS or any(not 0 <= t < limits.vocab_size for t in s.stop_token_ids):
+        raise InvalidRequest(
+            "sampling.stop_token_ids", f"at most {MAX_STOP_STRINGS} ids in the vocabulary [0, {limits.vocab_size})"
+        )
+    logprobs = s.logprobs if s.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
     return GenerationRequest(
         request_id=msg.request_id or uuid.uuid4().hex,
@@ -95,6 +111,8 @@ def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: R
         stop=tuple(s.stop),
         ignore_eos=s.ignore_eos,
         spec=_spec(msg, limits),
+        logprobs=logprobs,
+        stop_token_ids=frozenset(s.stop_token_ids),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from specmesh.v1 import (
 from verifier_svc.config import VerifierConfig, parse_args
 from verifier_svc.engine import Engine, EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent
 from verifier_svc.local_proposer import LocalProposerSession, inprocess_kind
+from verifier_svc.logprobs import TokenLogprob
 from verifier_svc.proposer_client import ProposerLimits, ProposerSession
 from verifier_svc.requests import (
     GenerationRequest,
@@ -87,6 +89,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.tiers, self.vocab, self.model_name, self.loop = tiers, vocab, model_name, loop
         self.metrics = metrics
         self.router_caps = router_caps  # False (--spec-gating always): the router picks proposers, not k
+        # A token's text on its own, for logprobs; cached (bounded by the vocabulary) since it repeats.
+        self.token_text = functools.lru_cache(maxsize=65536)(
+            lambda token_id: tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        )
+
+    def _logprobs_pb(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[generation_pb2.TokenLogprob]:
+        text = self.token_text
+        return [
+            generation_pb2.TokenLogprob(
+                logprob=lp.logprob,
+                token=text(tok),
+                top_logprobs=[
+                    generation_pb2.TopLogprob(token_id=i, logprob=v, token=text(i))
+                    for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+                ],
+            )
+            for tok, lp in zip(token_ids, logprobs, strict=True)
+        ]
 
     def open_session(
         self, req: GenerationRequest, proposer: str, context: list[int] | None = None
@@ -185,6 +205,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     yield generation_pb2.GenerateResponse(request_id=req.request_id, summary=_summary(ev, why_plain))
                     return
                 chunk = generation_pb2.TokenChunk(token_ids=ev.token_ids, text=ev.text)
+                if ev.logprobs is not None:
+                    chunk.logprobs.extend(self._logprobs_pb(ev.token_ids, ev.logprobs))
                 yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
         finally:
             if not finished:  # client cancelled or disconnected: free the slot now
@@ -277,6 +299,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             generated_tokens=s.generated_tokens,
             steps=s.steps,
             max_running_requests=self.engine.config.max_running,
+            max_context_tokens=self.engine.max_context,
         )
         return admin_pb2.GetStatsResponse(server=server, policy=policy_to_pb(self.policy.get()))
 

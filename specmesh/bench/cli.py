@@ -2,6 +2,7 @@
 
     specmesh bench --limit 2 --max-tokens 64 --concurrency 1,8
     specmesh bench --target 10.0.0.5:50051 --modes plain,ngram,auto --categories code_edit,rag
+    specmesh bench --target http://10.0.0.5:8000/v1 --also-grpc 10.0.0.5:50051 --modes plain,ngram
 
 Writes ``records.jsonl`` (one line per request), ``summary.md`` and PNG plots to ``--out``;
 exits 1 when any greedy output differs from plain decoding (a losslessness failure).
@@ -20,12 +21,32 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
-from specmesh.bench.report import losslessness_failures, markdown, pipeline_overhead, plots, summarize
-from specmesh.bench.runner import ALL_MODES, HF_MODES, SERVICE_MODES, BenchRunner, HfReference, RunConfig, spec_for
-from specmesh.bench.workload import DEFAULT_WORKLOAD, load_prompts
+from specmesh.bench.http_target import HttpTarget, is_http
+from specmesh.bench.report import (
+    gateway_vs_grpc,
+    losslessness_failures,
+    markdown,
+    pipeline_overhead,
+    plots,
+    primary,
+    summarize,
+)
+from specmesh.bench.runner import (
+    ALL_MODES,
+    HF_MODES,
+    SERVICE_MODES,
+    BenchRunner,
+    GrpcTarget,
+    HfReference,
+    RunConfig,
+    Target,
+    spec_for,
+)
+from specmesh.bench.workload import DEFAULT_WORKLOAD, BenchPrompt, load_prompts
 from specmesh.client import Client
 from specmesh.params import SamplingParams
 
@@ -40,8 +61,31 @@ def _csv(value: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specmesh bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="", help="verifier host:port; default: start a local deployment")
-    p.add_argument("--model", default=None, help="model folder (local deployment and the hf-* modes)")
+    p.add_argument(
+        "--target",
+        default="",
+        help="verifier host:port (gRPC), or the base URL of any OpenAI-compatible server, http[s]://host:port/v1 "
+        "(requests through the openai client, prompts as token ids of --model's tokenizer; OPENAI_API_KEY if "
+        "set). A SpecMesh gateway serves every mode (each as extra_body spec_decode); another server (vLLM, "
+        "SGLang…) only plain (and the local hf-* modes): no extra_body is sent, so it is measured as it is "
+        "configured. Default: start a local deployment",
+    )
+    p.add_argument(
+        "--served-model", default=None, help="HTTP target: the model to ask for (default: /v1/models' first)"
+    )
+    p.add_argument(
+        "--also-grpc",
+        default="",
+        metavar="HOST:PORT",
+        help="HTTP target (a SpecMesh gateway): also run every service mode through the gRPC SDK against this "
+        "verifier, interleaved with the HTTP runs (same prompts, seeds and waves); summary.md then compares them",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder: the prompts' tokenizer (an HTTP target must serve the same model), the local "
+        "deployment, the hf-* modes",
+    )
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list of {', '.join(ALL_MODES)}")
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="Spec-Bench-shaped JSONL")
     p.add_argument("--categories", default="", help="comma list; default: every category in the workload")
@@ -84,7 +128,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [s for s in _csv(a.sampling) if s not in ("greedy", "sampled")]
     if bad:
         p.error(f"--sampling: unknown {', '.join(bad)}")
+    if a.also_grpc and not is_http(a.target):
+        p.error("--also-grpc compares an HTTP --target (http[s]://…/v1) with gRPC; give one")
+    if a.served_model and not is_http(a.target):
+        p.error("--served-model is for an HTTP --target")
     return a
+
+
+def check_http_target(target: HttpTarget, modes: list[str], also_grpc: str) -> str | None:
+    """Why this run cannot go to ``target``, or None. Another server than SpecMesh takes no
+    per-request speculation: of the service modes only plain, with no extra body.
+
+    >>> check_http_target(HttpTarget(None, "m", "vllm"), ["plain", "hf-greedy"], "")
+    >>> check_http_target(HttpTarget(None, "m", "vllm"), ["plain", "ngram"], "")[:50]
+    'modes ngram need a SpecMesh server; m at this URL '
+    """
+    if target.specmesh:
+        return None
+    owner = f"owned_by {target.owned_by!r}" if target.owned_by else "no owned_by"
+    bad = [m for m in modes if m in SERVICE_MODES and m != "plain"]
+    if bad:
+        return (
+            f"modes {', '.join(bad)} need a SpecMesh server; {target.model} at this URL is {owner}, which only "
+            "serves plain (measured as that server is configured): use --modes plain, with hf-greedy, hf-pld "
+            "if wanted (they run here)"
+        )
+    if also_grpc:
+        return f"--also-grpc compares a SpecMesh gateway with its verifier; {target.model} here is {owner}"
+    return None
 
 
 def git_commit() -> str:
@@ -138,6 +209,26 @@ def _available(client: Client, modes: list[str], prompt: list[int], corpus: str)
     return ok
 
 
+def _available_http(target: HttpTarget, modes: list[str], prompt: BenchPrompt, corpus: str) -> list[str]:
+    """``_available`` through an HTTP target."""
+    import openai
+
+    ok = []
+    for m in modes:
+        try:
+            if m in SERVICE_MODES:
+                target.request(prompt, m, SamplingParams(temperature=0.0, max_tokens=2), corpus)
+            ok.append(m)
+        except openai.APIError as exc:
+            print(f"bench: mode {m} unavailable at {target.model} over HTTP ({exc}); skipped", file=sys.stderr)
+    return ok
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"specmesh bench: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     modes = _csv(a.modes)
@@ -168,9 +259,12 @@ def main(argv: list[str] | None = None) -> None:
         mix=a.mix,
         tag=a.tag,
     )
+    http = is_http(a.target)
     with ExitStack() as stack:
         oracle = None
-        if a.target:
+        if http:
+            address = a.also_grpc
+        elif a.target:
             address = a.target
         else:
             from specmesh.deploy import DeploymentConfig, LocalDeployment, free_port
@@ -201,16 +295,24 @@ def main(argv: list[str] | None = None) -> None:
             if a.rag:
                 a.corpus = a.corpus or "workload"
                 ingest_workload_passages(a.workload, dep.services_by_name["rag"].address, a.corpus, run_dir)
-        client = stack.enter_context(Client(address))
-        modes = _available(client, modes, list(prompts[0].token_ids), a.corpus)
+        targets: list[Target] = []
+        http_target = _http_target(a, modes, prompts) if http else None
+        if http_target is not None:
+            modes = _available_http(http_target, modes, prompts[0], a.corpus)
+            targets.append(http_target)
+        client = server = None
+        if address:
+            client = stack.enter_context(Client(address))
+            modes = _available(client, modes, list(prompts[0].token_ids), a.corpus)
+            targets.append(GrpcTarget(client, spread=http))  # with HTTP: ITL estimated alike, for the comparison
+            server = client.stats().server
         config = RunConfig(**{**asdict(config), "modes": tuple(modes), "corpus": a.corpus})
-        server = client.stats().server
         hf = HfReference(str(model_path), a.threads) if any(m in HF_MODES for m in modes) else None
         meta = {
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "model": server.model,
-            "device": server.device,
-            "dtype": server.dtype,
+            "model": http_target.model if http_target else server.model,
+            "device": server.device if server else "",
+            "dtype": server.dtype if server else "",
             "cpu": cpu_name(),
             "gpu": _gpu_name(),
             "threads": a.threads,
@@ -219,8 +321,10 @@ def main(argv: list[str] | None = None) -> None:
             "limit": a.limit,
             "workload": str(a.workload),
         }
+        if http_target is not None:
+            meta.update(target=a.target, http_server=http_target.owned_by, also_grpc=a.also_grpc)
         set_oracle = oracle.servicer.set_continuation if oracle else None
-        runner = BenchRunner(config, client, hf, set_oracle, a.corrupt or None)
+        runner = BenchRunner(config, targets, hf, set_oracle, a.corrupt or None)
         progress = Progress(runner.planned_requests(prompts))
         records = []
         with (out_dir / "records.jsonl").open("w") as f:
@@ -228,20 +332,44 @@ def main(argv: list[str] | None = None) -> None:
                 rec.update(meta)
                 f.write(json.dumps(rec) + "\n")
                 records.append(rec)
-                progress.step(f"{rec['category']} {rec['mode']} c={rec['concurrency']}")
+                via = f" {rec['transport']}" if len(targets) > 1 and "transport" in rec else ""
+                progress.step(f"{rec['category']} {rec['mode']}{via} c={rec['concurrency']}")
         progress.close()
 
-    rows = summarize(records)
+    main_records = primary(records)  # with --also-grpc, the gRPC side only feeds the comparison
+    rows = summarize(main_records)
     failures = losslessness_failures(records)
-    text = markdown(rows, meta, pipeline_overhead(records), failures)
+    transports = gateway_vs_grpc(records)
+    text = markdown(rows, meta, pipeline_overhead(main_records), failures, transports)
     (out_dir / "summary.md").write_text(text)
     (out_dir / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    images = plots(rows, records, out_dir)
+    written = ["records.jsonl", "summary.md", "summary.json"]
+    if transports:
+        (out_dir / "gateway_vs_grpc.json").write_text(json.dumps([asdict(r) for r in transports], indent=1))
+        written.append("gateway_vs_grpc.json")
+    images = plots(rows, main_records, out_dir)
     print(text)
-    print(f"bench: wrote {out_dir}/records.jsonl, summary.md, summary.json, " + ", ".join(p.name for p in images))
+    print(f"bench: wrote {out_dir}/" + ", ".join([*written, *(p.name for p in images)]))
     if failures:
         print(f"bench: LOSSLESSNESS FAILURE in {len(failures)} request(s); see summary.md", file=sys.stderr)
         sys.exit(1)
+
+
+def _http_target(a: argparse.Namespace, modes: list[str], prompts: list[BenchPrompt]) -> HttpTarget:
+    """The OpenAI-compatible server at ``--target``, checked against the run (exits 2 if it cannot serve it)."""
+    import openai
+
+    try:
+        target = HttpTarget.connect(a.target, a.served_model)
+    except (openai.APIError, ValueError) as exc:
+        _fail(f"cannot list the models of {a.target}: {exc}")
+    if why := check_http_target(target, modes, a.also_grpc):
+        _fail(why)
+    longest = max(len(p.token_ids) for p in prompts)
+    if target.max_model_len and longest + a.max_tokens > target.max_model_len:
+        _fail(f"a prompt of {longest} tokens + --max-tokens {a.max_tokens} exceeds {target.model}'s max_model_len")
+    print(f"bench: {a.target} serves {target.model} (owned_by {target.owned_by or '?'})", file=sys.stderr)
+    return target
 
 
 def ingest_workload_passages(workload: Path, rag_address: str, corpus: str, tmp: Path) -> None:

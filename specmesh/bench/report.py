@@ -4,6 +4,10 @@ Speed-ups are paired: a mode's tokens/s on a prompt (or a wave, at concurrency >
 ``plain``'s on the same prompt (wave) of the same run, then the median over the category's
 prompts; the overall figure is the geometric mean over categories. ``hf-pld`` counts as its best
 lookup length per category. Efficiency = a mode's speed-up ÷ the oracle's.
+
+A run against an HTTP target with ``--also-grpc`` holds records of both transports: the tables
+describe the target (``primary``), and ``gateway_vs_grpc`` sets each mode's two transports side by
+side.
 """
 
 from __future__ import annotations
@@ -40,6 +44,24 @@ class Row:
     pld_k: int | None = None
     fallbacks: int = 0
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TransportRow:
+    """One mode at one concurrency through the HTTP gateway and through gRPC, in the same run."""
+
+    sampling: str
+    concurrency: int
+    mode: str
+    requests: int  # per transport
+    grpc_tokens_per_s: float
+    http_tokens_per_s: float
+    ratio: float | None  # http / grpc, paired by prompt (wave), median
+    grpc_itl_p50_ms: float | None
+    http_itl_p50_ms: float | None
+    itl_diff_ms: float | None  # http - grpc
+    grpc_ttft_ms: float | None
+    http_ttft_ms: float | None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -85,6 +107,62 @@ def _throughput(rs: list[dict]) -> dict[tuple, float]:
     for r in rs:
         out[_unit(r)] = r["tokens_per_s"] if r["concurrency"] == 1 else r["wave_tokens_per_s"]
     return out
+
+
+def primary(records: list[dict]) -> list[dict]:
+    """The records of the run's target: with an HTTP target, gRPC records (``--also-grpc``) are
+    only the other side of the gateway comparison.
+
+    >>> [r["transport"] for r in primary([{"transport": "http"}, {"transport": "grpc"}])]
+    ['http']
+    >>> len(primary([{"transport": "grpc"}, {"mode": "hf-greedy"}]))
+    2
+    """
+    if any(r.get("transport") == "http" for r in records):
+        return [r for r in records if r.get("transport") != "grpc"]
+    return records
+
+
+def gateway_vs_grpc(records: list[dict]) -> list[TransportRow]:
+    """Per (sampling, concurrency, mode) run over both transports: tokens/s (median per request at
+    concurrency 1, of wave aggregates beyond) and their paired ratio, TTFT and ITL p50 over all
+    categories. The gRPC ITL is ``itl_spread_ms`` where recorded: estimated from chunk times and
+    the total as it must be over HTTP (``runner.spread_counts``), so both sides are measured alike."""
+    by: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if r.get("transport") in ("grpc", "http"):
+            by[(r["sampling"], r["concurrency"], r["mode"])][r["transport"]].append(r)
+    out = []
+    for (sampling, c, mode), sides in sorted(by.items(), key=lambda kv: (*kv[0][:2], _MODE_RANK.get(kv[0][2], 99))):
+        if len(sides) < 2:
+            continue
+        g, h = sides["grpc"], sides["http"]
+        tg, th = _pooled_throughput(g), _pooled_throughput(h)
+        ig = [x for r in g for x in r.get("itl_spread_ms", r.get("itl_ms", []))]
+        ih = [x for r in h for x in r.get("itl_ms", [])]
+        pg, ph = (percentile(ig, 50) if ig else None), (percentile(ih, 50) if ih else None)
+        out.append(
+            TransportRow(
+                sampling=sampling,
+                concurrency=c,
+                mode=mode,
+                requests=len(h),
+                grpc_tokens_per_s=statistics.median(tg.values()),
+                http_tokens_per_s=statistics.median(th.values()),
+                ratio=_paired_ratio(th, tg),
+                grpc_itl_p50_ms=pg,
+                http_itl_p50_ms=ph,
+                itl_diff_ms=ph - pg if pg is not None and ph is not None else None,
+                grpc_ttft_ms=statistics.median(r["ttft_ms"] for r in g),
+                http_ttft_ms=statistics.median(r["ttft_ms"] for r in h),
+            )
+        )
+    return out
+
+
+def _pooled_throughput(rs: list[dict]) -> dict[tuple, float]:
+    """``_throughput`` over every category: units keyed by their group too."""
+    return {(r.get("group", r["category"]), *k): v for r in rs for k, v in _throughput([r]).items()}
 
 
 def _paired_ratio(a: dict[tuple, float], b: dict[tuple, float]) -> float | None:
@@ -189,9 +267,11 @@ def pipeline_overhead(records: list[dict]) -> dict[tuple[str, int], float]:
 
 
 def losslessness_failures(records: list[dict]) -> list[str]:
+    """One line per greedy output that differs from plain's (from gRPC's plain, for the gateway's plain)."""
     return [
-        f"{r['mode']} on {r['category']}[{r['prompt_index']}] (concurrency {r['concurrency']}, wave {r['wave']}): "
-        f"first differing token at {r['mismatch_at']}"
+        f"{r['mode']}{f' ({t})' if (t := r.get('transport')) == 'http' else ''} on "
+        f"{r['category']}[{r['prompt_index']}] (concurrency {r['concurrency']}, wave {r['wave']}): "
+        f"first differing {'character' if r.get('mismatch_in') == 'text' else 'token'} at {r['mismatch_at']}"
         for r in records
         if r.get("lossless") is False
     ]
@@ -201,12 +281,21 @@ def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if v is None else f"{v:{spec}}{suffix}"
 
 
-def markdown(rows: list[Row], meta: dict, overhead: dict, failures: list[str]) -> str:
+def markdown(
+    rows: list[Row], meta: dict, overhead: dict, failures: list[str], transports: list[TransportRow] | None = None
+) -> str:
+    if meta.get("target", "").startswith(("http://", "https://")):  # the bench runs here, the server elsewhere
+        served = f"server: {meta.get('model')} at {meta['target']} (owned_by {meta.get('http_server') or '?'})"
+        served += f", verifier {meta['dtype']} on {meta['device']}" if meta.get("device") else ""
+    else:
+        served = (
+            f"verifier: {meta.get('model')} {meta.get('dtype')} on {meta.get('device')}, "
+            f"{meta.get('threads') or 'default'} torch threads"
+        )
     lines = [
         f"# specmesh bench — {meta.get('started', '')}",
         "",
-        f"Machine: {meta.get('cpu')}{' + ' + meta['gpu'] if meta.get('gpu') else ''}; verifier: {meta.get('model')} "
-        f"{meta.get('dtype')} on {meta.get('device')}, {meta.get('threads') or 'default'} torch threads; "
+        f"Machine: {meta.get('cpu')}{' + ' + meta['gpu'] if meta.get('gpu') else ''}; {served}; "
         f"git {meta.get('git_commit', '?')[:10]}; {meta.get('max_tokens')} new tokens, "
         f"{meta.get('limit')} prompts per category.",
         "tokens/s: end to end per request (prefill included), median; at concurrency > 1 the aggregate of a wave. "
@@ -262,7 +351,33 @@ def markdown(rows: list[Row], meta: dict, overhead: dict, failures: list[str]) -
                 f"paired): {overhead[(sampling, c)]:+.1%}",
             ]
         lines.append("")
+    if transports:
+        lines += transport_markdown(transports)
     return "\n".join(lines)
+
+
+def transport_markdown(rows: list[TransportRow]) -> list[str]:
+    """The "Gateway vs gRPC" section."""
+    lines = [
+        "## Gateway vs gRPC",
+        "",
+        "Every service mode ran through the HTTP gateway (openai client, SSE) and through the gRPC SDK, "
+        "interleaved, on the same prompts, seeds and waves. tokens/s: median per request at 1 stream, of the "
+        "wave aggregates beyond; HTTP/gRPC: paired per prompt (wave), median. SSE events carry no token count: "
+        "an event's gap is spread over the tokens of usage.completion_tokens, and the gRPC ITL here is "
+        "estimated alike from its chunk times (exact for plain; for speculative modes the mean is kept).",
+        "",
+        "| sampling | streams | mode | gRPC tok/s | HTTP tok/s | HTTP/gRPC | gRPC ITL p50 ms | HTTP ITL p50 ms "
+        "| Δ ITL ms | gRPC TTFT ms | HTTP TTFT ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.sampling} | {r.concurrency} | {r.mode} | {r.grpc_tokens_per_s:.1f} | {r.http_tokens_per_s:.1f} "
+            f"| {_fmt(r.ratio, '.3f')} | {_fmt(r.grpc_itl_p50_ms, '.1f')} | {_fmt(r.http_itl_p50_ms, '.1f')} "
+            f"| {_fmt(r.itl_diff_ms, '+.1f')} | {_fmt(r.grpc_ttft_ms, '.0f')} | {_fmt(r.http_ttft_ms, '.0f')} |"
+        )
+    return [*lines, ""]
 
 
 _MODE_RANK = {m: i for i, m in enumerate(("plain", "ngram", "ngram-local", "draft", "rag", "auto", "oracle",

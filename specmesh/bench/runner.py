@@ -1,20 +1,23 @@
 """Runs benchmark requests and returns one record (a dict, one JSON line) per request.
 
-Service modes go through the verifier with a per-request ``SpecDecodeParams``; reference modes
-(``hf-greedy``, ``hf-pld``) run transformers' ``generate()`` in this process on the same model and
-prompts. At concurrency 1 the modes are interleaved request by request (``plain`` first, since the
-oracle needs its output, the others rotated); at concurrency c the same holds wave by wave, each
-wave being c requests of one mode in flight together.
+Service modes go to a target with a per-request ``SpecDecodeParams``: the verifier through the
+gRPC SDK (``GrpcTarget``) or an OpenAI-compatible server over HTTP (``http_target.HttpTarget``),
+or both, each wave of a mode then running on every target in turn (the order alternating wave by
+wave) with the same prompts and seeds; every service record says its ``transport``. Reference
+modes (``hf-greedy``, ``hf-pld``) run transformers' ``generate()`` in this process on the same
+model and prompts. At concurrency 1 the modes are interleaved request by request (``plain``
+first, since the oracle needs its output, the others rotated); at concurrency c the same holds
+wave by wave, each wave being c requests of one mode in flight together.
 """
 
 from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from specmesh.bench.workload import BenchPrompt
 from specmesh.client import Client
@@ -77,6 +80,36 @@ def token_gaps(t0: float, arrivals: list[tuple[float, int]]) -> tuple[float, lis
     return arrivals[0][0] - t0, gaps
 
 
+def spread_counts(known: list[int | None], total: int | None) -> list[int]:
+    """Tokens per streamed event. SSE events carry text, not token counts: an event's count is
+    known only when it carries logprobs. The tokens left (``total`` = ``usage.completion_tokens``
+    minus the known counts) are spread evenly over the other events, in order (each gets the floor
+    or the ceiling of the share); with no usable total, 1 each.
+
+    Plain decoding emits one token per event, where this is exact; a speculative step emits its
+    accepted tokens in one event, and spreading keeps the mean inter-token latency (the events'
+    gaps over the tokens they brought) while smoothing its spread across events.
+
+    >>> spread_counts([None, None, None], 7), spread_counts([2, None, None], 6)
+    ([2, 2, 3], [2, 2, 2])
+    >>> spread_counts([None, None], None), spread_counts([None, None, None], 2)
+    ([1, 1], [1, 1, 1])
+    >>> token_gaps(0.0, list(zip([0.5, 0.7, 1.0], spread_counts([None] * 3, 4))))[1]  # 0.3 s over 2 tokens
+    [0.19999999999999996, 0.15000000000000002, 0.15000000000000002]
+    """
+    unknown = sum(n is None for n in known)
+    left = (total or 0) - sum(n for n in known if n is not None)
+    if unknown == 0 or left < unknown:
+        return [1 if n is None else n for n in known]
+    out, j = [], 0
+    for n in known:
+        if n is None:
+            n = (j + 1) * left // unknown - j * left // unknown
+            j += 1
+        out.append(n)
+    return out
+
+
 def spec_for(mode: str, corpus: str, tag: str = "") -> SpecDecodeParams:
     """The request's SpecDecodeParams in a mode; the corpus also goes to ``auto``, whose router
     may then choose the rag proposer. ``tag``: the workload tag the router keys its statistics by.
@@ -92,22 +125,39 @@ def spec_for(mode: str, corpus: str, tag: str = "") -> SpecDecodeParams:
 
 
 def _service_request(
-    client: Client, prompt: BenchPrompt, mode: str, sampling: SamplingParams, corpus: str, tag: bool = False
+    client: Client,
+    prompt: BenchPrompt,
+    mode: str,
+    sampling: SamplingParams,
+    corpus: str,
+    tag: bool = False,
+    spread: bool = False,
 ) -> dict[str, Any]:
     spec = spec_for(mode, corpus, prompt.category if tag else "")
     t0 = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
+    shown: list[float] = []  # arrivals of chunks with text: the events an SSE client would see
     ids: list[int] = []
+    texts: list[str] = []
     stream = client.generate(list(prompt.token_ids), sampling, spec)
     for chunk in stream:
-        arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+        arrivals.append((t := time.perf_counter(), len(chunk.token_ids)))
         ids.extend(chunk.token_ids)
+        texts.append(chunk.text)
+        if chunk.text:
+            shown.append(t)
     wall = time.perf_counter() - t0
     ttft, gaps = token_gaps(t0, arrivals)
     s = stream.summary
     sp = s.speculation if s else None
+    extra = {}
+    if spread:  # the latencies as estimated over HTTP, from event times and the total alone
+        counts = spread_counts([None] * len(shown), len(ids))
+        extra["itl_spread_ms"] = [g * 1e3 for g in token_gaps(t0, list(zip(shown, counts, strict=True)))[1]]
     return {
+        "transport": "grpc",
         "token_ids": ids,
+        "text": "".join(texts),
         "wall_s": wall,
         "ttft_ms": ttft * 1e3,
         "itl_ms": [g * 1e3 for g in gaps],
@@ -121,7 +171,34 @@ def _service_request(
         "verify_ms": sp.verify_ms if sp else 0.0,
         "fallback_reason": sp.fallback_reason if sp else "",
         "proposer": next(iter(sp.per_proposer), "none") if sp else "none",
+        **extra,
     }
+
+
+class Target(Protocol):
+    """Where service modes run: one request, one record (with its ``transport``)."""
+
+    name: str
+
+    def request(
+        self, prompt: BenchPrompt, mode: str, sampling: SamplingParams, corpus: str, tag: bool = False
+    ) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class GrpcTarget:
+    """The verifier through the gRPC SDK. ``spread``: records also get ``itl_spread_ms``, the
+    inter-token latencies estimated as over HTTP (``spread_counts``), for a like-for-like
+    comparison with a gateway."""
+
+    client: Client
+    spread: bool = False
+    name: str = "grpc"
+
+    def request(
+        self, prompt: BenchPrompt, mode: str, sampling: SamplingParams, corpus: str, tag: bool = False
+    ) -> dict[str, Any]:
+        return _service_request(self.client, prompt, mode, sampling, corpus, tag, self.spread)
 
 
 class HfReference:
@@ -147,7 +224,9 @@ class HfReference:
             t0 = time.perf_counter()
             out = self.lm.model.generate(x, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, **kw)
             wall = time.perf_counter() - t0
-        return {"token_ids": out[0, x.shape[1] :].tolist(), "wall_s": wall}
+        ids = out[0, x.shape[1] :].tolist()
+        text = self.lm.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return {"token_ids": ids, "text": text, "wall_s": wall}  # decoded as the verifier decodes
 
 
 def _record(prompt: BenchPrompt, mode: str, sampling: str, concurrency: int, wave: int, **extra: Any) -> dict:
@@ -163,10 +242,15 @@ def _record(prompt: BenchPrompt, mode: str, sampling: str, concurrency: int, wav
         "prompt_tokens": len(prompt.token_ids),
         **extra,
     }
-    n = len(rec.get("token_ids", []))
+    n = _tokens(rec)
     rec["completion_tokens"] = n
     rec["tokens_per_s"] = n / rec["wall_s"] if rec.get("wall_s") else 0.0
     return rec
+
+
+def _tokens(out: dict) -> int:
+    """Tokens generated: the server's count where given (HTTP usage), else the token ids'."""
+    return out["completion_tokens"] if "completion_tokens" in out else len(out.get("token_ids", []))
 
 
 def mixed(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
@@ -185,11 +269,13 @@ def mixed(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
     return out
 
 
-def first_mismatch(reference: list[int], other: list[int]) -> int | None:
-    """Index of the first differing token (or length difference); None if identical.
+def first_mismatch(reference: Sequence, other: Sequence) -> int | None:
+    """Index of the first differing token (or character, of texts; or length difference); None if identical.
 
     >>> first_mismatch([1, 2, 3], [1, 2, 3]), first_mismatch([1, 2, 3], [1, 5, 3]), first_mismatch([1, 2], [1])
     (None, 1, 1)
+    >>> first_mismatch("def f(x):", "def f(x):"), first_mismatch("def f(x):", "def g(x):")
+    (None, 4)
     """
     for i, (a, b) in enumerate(zip(reference, other, strict=False)):
         if a != b:
@@ -197,30 +283,76 @@ def first_mismatch(reference: list[int], other: list[int]) -> int | None:
     return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
+def compared_by(a: dict, b: dict) -> str | None:
+    """What two outputs are compared by: token ids where both have them (gRPC, hf-*), else texts
+    (HTTP returns no ids) where both come from SpecMesh; another server's greedy output may differ
+    from ours by its numerics, which says nothing about speculation.
+
+    >>> grpc, http = {"token_ids": [1], "text": "a"}, {"text": "a", "server": "specmesh"}
+    >>> vllm = {"text": "a", "server": "vllm"}
+    >>> compared_by(grpc, {"token_ids": [1]}), compared_by(grpc, http), compared_by(http, vllm)
+    ('token_ids', 'text', None)
+    """
+    if "token_ids" in a and "token_ids" in b:
+        return "token_ids"
+    if "text" in a and "text" in b and a.get("server", "specmesh") == b.get("server", "specmesh") == "specmesh":
+        return "text"
+    return None
+
+
+def _reference(r: dict, plains: dict[str | None, dict]) -> dict | None:
+    """The plain output a record is checked against: its own transport's (the gRPC one for hf-*);
+    the gateway's plain is checked against the verifier's over gRPC."""
+    if r["mode"] == "plain":
+        return plains.get("grpc") if r.get("transport") == "http" else None
+    return plains.get(r.get("transport")) or plains.get("grpc") or plains.get("http")
+
+
+def _corrupt(r: dict) -> None:
+    """The harness's own self-test: the last token (and character) changed."""
+    if r.get("token_ids"):
+        r["token_ids"][-1] = (r["token_ids"][-1] + 1) % 32000
+    if r.get("text"):
+        r["text"] = r["text"][:-1] + chr(ord(r["text"][-1]) ^ 1)
+
+
 def _mark_lossless(records: list[dict], corrupt: str | None) -> None:
-    """Greedy: compare every mode's tokens with ``plain`` on the same prompt and wave."""
-    plain = next((r for r in records if r["mode"] == "plain"), None)
+    """Greedy: compare every mode's output with ``plain``'s on the same prompt and wave (see
+    ``_reference``, ``compared_by``); ``mismatch_at`` counts characters where ``mismatch_in`` is text.
+
+    >>> rs = [{"mode": m, "transport": t, "sampling": "greedy", "text": x, "server": "specmesh"}
+    ...       for m, t, x in (("plain", "http", "ab"), ("ngram", "http", "ab"), ("auto", "http", "ax"))]
+    >>> _mark_lossless(rs, None)
+    >>> [(r["mode"], r.get("lossless"), r.get("mismatch_at")) for r in rs]
+    [('plain', None, None), ('ngram', True, None), ('auto', False, 1)]
+    """
     for r in records:
-        if corrupt and r["mode"] == corrupt and r["token_ids"]:  # the harness's own self-test
-            r["token_ids"][-1] = (r["token_ids"][-1] + 1) % 32000
-        if r["mode"] == "plain" or plain is None or r["sampling"] != "greedy":
+        if corrupt and r["mode"] == corrupt:
+            _corrupt(r)
+    plains = {r.get("transport"): r for r in records if r["mode"] == "plain"}
+    for r in records:
+        ref = _reference(r, plains)
+        key = compared_by(ref, r) if ref is not None and r["sampling"] == "greedy" else None
+        if key is None:
             continue
-        at = first_mismatch(plain["token_ids"], r["token_ids"])
+        at = first_mismatch(ref[key], r[key])
         r["lossless"] = at is None
         if at is not None:
             r["mismatch_at"] = at
+            if key == "text":
+                r["mismatch_in"] = "text"
 
 
 class BenchRunner:
     def __init__(
         self,
         config: RunConfig,
-        client: Client,
+        targets: Sequence[Target],
         hf: HfReference | None,
         set_oracle: Callable[[tuple[int, ...], list[int]], None] | None,
         corrupt_mode: str | None = None,
     ) -> None:
-        self.config, self.client, self.hf, self.set_oracle = config, client, hf, set_oracle
+        self.config, self.targets, self.hf, self.set_oracle = config, list(targets), hf, set_oracle
         self.corrupt_mode = corrupt_mode
 
     def planned_requests(self, prompts: list[BenchPrompt]) -> int:
@@ -228,7 +360,10 @@ class BenchRunner:
         for sampling in self.config.samplings:
             for c in self.config.concurrency:
                 modes = self._modes(sampling, c)
-                per_prompt = sum(len(self.config.pld_sweep) if m == "hf-pld" else 1 for m in modes)
+                per_prompt = sum(
+                    len(self.config.pld_sweep) if m == "hf-pld" else 1 if m in HF_MODES else len(self.targets)
+                    for m in modes
+                )
                 if c == 1:
                     total += len(prompts) * per_prompt
                 else:
@@ -285,27 +420,33 @@ class BenchRunner:
                 continue
             if mode == "oracle" and self.set_oracle is not None:
                 for r in records:
-                    if r["mode"] == "plain":
+                    if r["mode"] == "plain" and "token_ids" in r:
                         prompt = next(p for p in wave if p.category == r["category"] and p.index == r["prompt_index"])
                         self.set_oracle(prompt.token_ids, r["token_ids"])
             seeds = [zlib.crc32(f"{p.row_id}/{w}/{j}".encode()) for j, p in enumerate(wave)]  # same for every mode
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(len(wave)) as pool:
-                outs = list(
-                    pool.map(
-                        lambda p, s, m=mode: _service_request(
-                            self.client, p, m, self._sampling(sampling, s), self.config.corpus, self.config.tag
-                        ),
-                        wave,
-                        seeds,
-                    )
-                )
-            wave_wall = time.perf_counter() - t0
-            wave_tps = sum(len(o["token_ids"]) for o in outs) / wave_wall
-            group = "mix" if self.config.mix and c > 1 else wave[0].category
-            for j, (p, out) in enumerate(zip(wave, outs, strict=True)):
-                records.append(_record(p, mode, sampling, c, w, slot=j, wave_tokens_per_s=wave_tps, group=group, **out))
+            k = w % len(self.targets)
+            for target in self.targets[k:] + self.targets[:k]:  # which transport goes first alternates
+                records.extend(self._wave(target, wave, mode, sampling, seeds, c, w))
         if sampling == "greedy":
             for j in range(len(wave)):  # each prompt of the wave against its own plain output
                 _mark_lossless([r for r in records if r.get("slot", 0) == j], self.corrupt_mode)
         yield from records
+
+    def _wave(
+        self, target: Target, wave: list[BenchPrompt], mode: str, sampling: str, seeds: list[int], c: int, w: int
+    ) -> list[dict]:
+        """The wave's requests of one mode on one target, all in flight together."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(wave)) as pool:
+            outs = list(
+                pool.map(
+                    lambda p, s: target.request(p, mode, self._sampling(sampling, s), cfg.corpus, cfg.tag), wave, seeds
+                )
+            )
+        wave_tps = sum(_tokens(o) for o in outs) / (time.perf_counter() - t0)
+        group = "mix" if cfg.mix and c > 1 else wave[0].category
+        return [
+            _record(p, mode, sampling, c, w, slot=j, wave_tokens_per_s=wave_tps, group=group, **out)
+            for j, (p, out) in enumerate(zip(wave, outs, strict=True))
+        ]

@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/admin.proto\x12\x0bspecmesh.v1\"\x84\x01\n\x11SpeculationPolicy\x12%\n\x04mode\x18\x01 \x01(\x0e\x32\x17.specmesh.v1.PolicyMode\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\"\x9f\x02\n\x0bServerStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x18\n\x10waiting_requests\x18\x05 \x01(\r\x12\x19\n\x11\x66inished_requests\x18\x06 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x07 \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x08 \x01(\x04\x12\x15\n\rprompt_tokens\x18\t \x01(\x04\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\r\n\x05steps\x18\x0b \x01(\x04\x12\x1c\n\x14max_running_requests\x18\x0c \x01(\r\"\xa1\x01\n\rProposerStats\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x04\x12\x15\n\rinvalid_trees\x18\x06 \x01(\x04\x12\x11\n\tfallbacks\x18\x07 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\x9b\x01\n\x10GetStatsResponse\x12(\n\x06server\x18\x01 \x01(\x0b\x32\x18.specmesh.v1.ServerStats\x12-\n\tproposers\x18\x02 \x03(\x0b\x32\x1a.specmesh.v1.ProposerStats\x12.\n\x06policy\x18\x03 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"\x12\n\x10GetPolicyRequest\"C\n\x11GetPolicyResponse\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"B\n\x10SetPolicyRequest\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"C\n\x11SetPolicyResponse\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"N\n\x15GetRouterStatsRequest\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"\x90\x02\n\x0bRouterStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x03 \x01(\t\x12\r\n\x05steps\x18\x04 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65pted_per_step\x18\x07 \x01(\x01\x12\x18\n\x10\x64rafted_per_step\x18\x08 \x01(\x01\x12!\n\x19proposer_wait_ms_per_step\x18\t \x01(\x01\x12\x17\n\x0fposition_trials\x18\n \x03(\x01\x12\x19\n\x11position_accepted\x18\x0b \x03(\x01\"\x8a\x01\n\x16GetRouterStatsResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0bhalf_life_s\x18\x04 \x01(\x01\x12\'\n\x05stats\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.RouterStats*k\n\nPolicyMode\x12\x1b\n\x17POLICY_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10POLICY_MODE_AUTO\x10\x01\x12\x15\n\x11POLICY_MODE_FIXED\x10\x02\x12\x13\n\x0fPOLICY_MODE_OFF\x10\x03\x32\xca\x02\n\x0c\x41\x64minService\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12J\n\tGetPolicy\x12\x1d.specmesh.v1.GetPolicyRequest\x1a\x1e.specmesh.v1.GetPolicyResponse\x12J\n\tSetPolicy\x12\x1d.specmesh.v1.SetPolicyRequest\x1a\x1e.specmesh.v1.SetPolicyResponse\x12Y\n\x0eGetRouterStats\x12\".specmesh.v1.GetRouterStatsRequest\x1a#.specmesh.v1.GetRouterStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/admin.proto\x12\x0bspecmesh.v1\"\x84\x01\n\x11SpeculationPolicy\x12%\n\x04mode\x18\x01 \x01(\x0e\x32\x17.specmesh.v1.PolicyMode\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\"\xbb\x02\n\x0bServerStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x18\n\x10waiting_requests\x18\x05 \x01(\r\x12\x19\n\x11\x66inished_requests\x18\x06 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x07 \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x08 \x01(\x04\x12\x15\n\rprompt_tokens\x18\t \x01(\x04\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\r\n\x05steps\x18\x0b \x01(\x04\x12\x1c\n\x14max_running_requests\x18\x0c \x01(\r\x12\x1a\n\x12max_context_tokens\x18\r \x01(\r\"\xa1\x01\n\rProposerStats\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x04\x12\x15\n\rinvalid_trees\x18\x06 \x01(\x04\x12\x11\n\tfallbacks\x18\x07 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\x9b\x01\n\x10GetStatsResponse\x12(\n\x06server\x18\x01 \x01(\x0b\x32\x18.specmesh.v1.ServerStats\x12-\n\tproposers\x18\x02 \x03(\x0b\x32\x1a.specmesh.v1.ProposerStats\x12.\n\x06policy\x18\x03 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"\x12\n\x10GetPolicyRequest\"C\n\x11GetPolicyResponse\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"B\n\x10SetPolicyRequest\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"C\n\x11SetPolicyResponse\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"N\n\x15GetRouterStatsRequest\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"\x90\x02\n\x0bRouterStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x03 \x01(\t\x12\r\n\x05steps\x18\x04 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65pted_per_step\x18\x07 \x01(\x01\x12\x18\n\x10\x64rafted_per_step\x18\x08 \x01(\x01\x12!\n\x19proposer_wait_ms_per_step\x18\t \x01(\x01\x12\x17\n\x0fposition_trials\x18\n \x03(\x01\x12\x19\n\x11position_accepted\x18\x0b \x03(\x01\"\x8a\x01\n\x16GetRouterStatsResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0bhalf_life_s\x18\x04 \x01(\x01\x12\'\n\x05stats\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.RouterStats*k\n\nPolicyMode\x12\x1b\n\x17POLICY_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10POLICY_MODE_AUTO\x10\x01\x12\x15\n\x11POLICY_MODE_FIXED\x10\x02\x12\x13\n\x0fPOLICY_MODE_OFF\x10\x03\x32\xca\x02\n\x0c\x41\x64minService\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12J\n\tGetPolicy\x12\x1d.specmesh.v1.GetPolicyRequest\x1a\x1e.specmesh.v1.GetPolicyResponse\x12J\n\tSetPolicy\x12\x1d.specmesh.v1.SetPolicyRequest\x1a\x1e.specmesh.v1.SetPolicyResponse\x12Y\n\x0eGetRouterStats\x12\".specmesh.v1.GetRouterStatsRequest\x1a#.specmesh.v1.GetRouterStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POLICYMODE']._serialized_start=1528
-  _globals['_POLICYMODE']._serialized_end=1635
+  _globals['_POLICYMODE']._serialized_start=1556
+  _globals['_POLICYMODE']._serialized_end=1663
   _globals['_SPECULATIONPOLICY']._serialized_start=41
   _globals['_SPECULATIONPOLICY']._serialized_end=173
   _globals['_SERVERSTATS']._serialized_start=176
-  _globals['_SERVERSTATS']._serialized_end=463
-  _globals['_PROPOSERSTATS']._serialized_start=466
-  _globals['_PROPOSERSTATS']._serialized_end=627
-  _globals['_GETSTATSREQUEST']._serialized_start=629
-  _globals['_GETSTATSREQUEST']._serialized_end=646
-  _globals['_GETSTATSRESPONSE']._serialized_start=649
-  _globals['_GETSTATSRESPONSE']._serialized_end=804
-  _globals['_GETPOLICYREQUEST']._serialized_start=806
-  _globals['_GETPOLICYREQUEST']._serialized_end=824
-  _globals['_GETPOLICYRESPONSE']._serialized_start=826
-  _globals['_GETPOLICYRESPONSE']._serialized_end=893
-  _globals['_SETPOLICYREQUEST']._serialized_start=895
-  _globals['_SETPOLICYREQUEST']._serialized_end=961
-  _globals['_SETPOLICYRESPONSE']._serialized_start=963
-  _globals['_SETPOLICYRESPONSE']._serialized_end=1030
-  _globals['_GETROUTERSTATSREQUEST']._serialized_start=1032
-  _globals['_GETROUTERSTATSREQUEST']._serialized_end=1110
-  _globals['_ROUTERSTATS']._serialized_start=1113
-  _globals['_ROUTERSTATS']._serialized_end=1385
-  _globals['_GETROUTERSTATSRESPONSE']._serialized_start=1388
-  _globals['_GETROUTERSTATSRESPONSE']._serialized_end=1526
-  _globals['_ADMINSERVICE']._serialized_start=1638
-  _globals['_ADMINSERVICE']._serialized_end=1968
+  _globals['_SERVERSTATS']._serialized_end=491
+  _globals['_PROPOSERSTATS']._serialized_start=494
+  _globals['_PROPOSERSTATS']._serialized_end=655
+  _globals['_GETSTATSREQUEST']._serialized_start=657
+  _globals['_GETSTATSREQUEST']._serialized_end=674
+  _globals['_GETSTATSRESPONSE']._serialized_start=677
+  _globals['_GETSTATSRESPONSE']._serialized_end=832
+  _globals['_GETPOLICYREQUEST']._serialized_start=834
+  _globals['_GETPOLICYREQUEST']._serialized_end=852
+  _globals['_GETPOLICYRESPONSE']._serialized_start=854
+  _globals['_GETPOLICYRESPONSE']._serialized_end=921
+  _globals['_SETPOLICYREQUEST']._serialized_start=923
+  _globals['_SETPOLICYREQUEST']._serialized_end=989
+  _globals['_SETPOLICYRESPONSE']._serialized_start=991
+  _globals['_SETPOLICYRESPONSE']._serialized_end=1058
+  _globals['_GETROUTERSTATSREQUEST']._serialized_start=1060
+  _globals['_GETROUTERSTATSREQUEST']._serialized_end=1138
+  _globals['_ROUTERSTATS']._serialized_start=1141
+  _globals['_ROUTERSTATS']._serialized_end=1413
+  _globals['_GETROUTERSTATSRESPONSE']._serialized_start=1416
+  _globals['_GETROUTERSTATSRESPONSE']._serialized_end=1554
+  _globals['_ADMINSERVICE']._serialized_start=1666
+  _globals['_ADMINSERVICE']._serialized_end=1996
 # @@protoc_insertion_point(module_scope)

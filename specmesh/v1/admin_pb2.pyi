@@ -31,7 +31,7 @@ class SpeculationPolicy(_message.Message):
     def __init__(self, mode: _Optional[_Union[PolicyMode, str]] = ..., proposer: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("model", "device", "dtype", "running_requests", "waiting_requests", "finished_requests", "rejected_requests", "cancelled_requests", "prompt_tokens", "generated_tokens", "steps", "max_running_requests")
+    __slots__ = ("model", "device", "dtype", "running_requests", "waiting_requests", "finished_requests", "rejected_requests", "cancelled_requests", "prompt_tokens", "generated_tokens", "steps", "max_running_requests", "max_context_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class ServerStats(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     device: str
     dtype: str
@@ -56,7 +57,8 @@ class ServerStats(_message.Message):
     generated_tokens: int
     steps: int
     max_running_requests: int
-    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., finished_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., cancelled_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
+    max_context_tokens: int
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., finished_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., cancelled_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_context_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposerStats(_message.Message):
     __slots__ = ("proposer", "workload_tag", "steps", "drafted_tokens", "accepted_tokens", "invalid_trees", "fallbacks")

@@ -30,12 +30,21 @@ KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu")
 # Oldest Kubernetes the manifests target (preStop `sleep` is on by default from 1.30) and the newest schema.
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 NAMESPACE = "specmesh"
-SOURCE_DIRS = ("specmesh", "verifier_svc", "proposer_svc", "router", "kernels")
+SOURCE_DIRS = ("specmesh", "verifier_svc", "proposer_svc", "gateway_svc", "router", "kernels")
 # Commands the containers may run, as `specmesh …` argv prefixes.
-COMMANDS = (("serve", "verifier"), ("serve", "ngram"), ("serve", "draft"), ("serve", "rag"), ("rag", "ingest"))
-# How many --grace periods a service's SIGTERM drain can take: the verifier waits up to --grace for
-# running requests, then gives the gRPC server up to --grace again to stop (verifier_svc/server.py).
-DRAIN_GRACE_PERIODS = {"verifier": 1, "ngram": 1, "draft": 1, "rag": 1}
+COMMANDS = (
+    ("serve", "verifier"),
+    ("serve", "ngram"),
+    ("serve", "draft"),
+    ("serve", "rag"),
+    ("serve", "gateway"),
+    ("rag", "ingest"),
+)
+# How many --grace periods a service's SIGTERM drain can take: one each. The verifier's wait for
+# running requests and the gRPC server's stop share one deadline (specmesh/serving.py); the gateway
+# lets in-flight responses finish within --grace.
+DRAIN_GRACE_PERIODS = {"verifier": 1, "ngram": 1, "draft": 1, "rag": 1, "gateway": 1}
+HTTP_SERVICES = ("gateway",)  # `specmesh serve` tiers that speak HTTP (probes httpGet/tcpSocket, not gRPC)
 MODEL_LOADING = ("verifier", "draft")  # startup probes need a long budget
 ENV_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")  # Kubernetes' $(VAR); $$(VAR) escapes
 
@@ -155,7 +164,7 @@ def validate(obj: dict[str, Any], version: str, strict: bool = True) -> None:
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_every_kustomization_renders_the_whole_deployment(kustomization):
     kinds = {(o["kind"], o["metadata"]["name"]) for o in render(kustomization)}
-    for name in ("verifier", "ngram", "draft", "rag", "redis"):
+    for name in ("verifier", "gateway", "ngram", "draft", "rag", "redis"):
         assert ("Deployment", name) in kinds
     for kind, name in [("Job", "rag-ingest"), ("PersistentVolumeClaim", "rag-data"), ("Namespace", NAMESPACE)]:
         assert (kind, name) in kinds
@@ -309,6 +318,29 @@ def test_verifier_dials_every_proposer_tier_through_its_headless_service(kustomi
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_gateway_dials_the_verifiers_through_their_headless_service(kustomization):
+    deployments, services = objects(kustomization, "Deployment"), objects(kustomization, "Service")
+    gateway = deployments["gateway"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in gateway["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    (target,) = flag_values(gateway["args"])["--verifier"]
+    m = re.fullmatch(r"dns:///([a-z0-9-]+)\.\$\(POD_NAMESPACE\)\.svc\.cluster\.local:(\d+)", target)
+    assert m, f"--verifier {target}: want dns:///<service>.$(POD_NAMESPACE).svc.cluster.local:<port>"
+    svc, port = services[m.group(1)], int(m.group(2))
+    # A ClusterIP name resolves to one virtual IP: round_robin would have one address, one verifier.
+    assert svc["spec"].get("clusterIP") == "None", f"service {m.group(1)} must be headless (client-side balancing)"
+    verifier = deployments["verifier"]["spec"]["template"]
+    assert matches({"matchLabels": svc["spec"]["selector"]}, verifier["metadata"]["labels"])
+    assert listen_port(verifier["spec"]["containers"][0]) == port
+    assert port in {p["port"] for p in svc["spec"]["ports"]}
+    # Clients reach the gateway through a ClusterIP Service on its listen port, never a node port.
+    gw_svc = services["gateway"]["spec"]
+    assert gw_svc.get("type", "ClusterIP") == "ClusterIP" and gw_svc.get("clusterIP") != "None"
+    assert [(p["name"], p["port"]) for p in gw_svc["ports"]] == [("http", listen_port(gateway))]
+    assert all("nodePort" not in p for p in gw_svc["ports"])
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_every_selector_and_target_port_finds_its_pods(kustomization):
     templates = dict(pod_templates(kustomization))
     labels = {name: t["metadata"]["labels"] for name, t in templates.items()}
@@ -339,7 +371,11 @@ SERVES = {  # readiness service name: what each process registers with the healt
 def test_grpc_probes_check_the_served_port_and_service(kustomization):
     import importlib
 
-    servers = [(n, s, c) for n, s, c in specmesh_containers(kustomization) if command(c)[0] == "serve"]
+    servers = [
+        (n, s, c)
+        for n, s, c in specmesh_containers(kustomization)
+        if command(c)[0] == "serve" and command(c)[1] not in HTTP_SERVICES
+    ]
     assert {command(c)[1] for _, _, c in servers} == set(SERVES)
     for name, _, c in servers:
         service = command(c)[1]
@@ -356,6 +392,42 @@ def test_grpc_probes_check_the_served_port_and_service(kustomization):
         assert budget >= (300 if service in MODEL_LOADING else 60), f"{name}: startup budget {budget} s"
         metrics = flag_values(c["args"])["--metrics-port"][0]
         assert int(metrics) in {p["containerPort"] for p in c["ports"] if p["name"] == "metrics"}
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_the_gateway_is_ready_with_the_verifier_and_alive_without_it(kustomization):
+    servers = [c for _, _, c in specmesh_containers(kustomization) if command(c)[0] == "serve"]
+    gateways = [c for c in servers if command(c)[1] in HTTP_SERVICES]
+    assert {command(c)[1] for c in gateways} == set(HTTP_SERVICES)
+    for c in gateways:
+        port = listen_port(c)
+        assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", port)]
+        assert "--metrics-port" not in flag_values(c["args"]), "the gateway serves /metrics on its HTTP port"
+        # Ready only while its verifier is: /health is 503 when the verifier's health is not SERVING.
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
+        # Alive whatever the verifier does: a probe through the verifier (/health, /v1/*) would restart
+        # every gateway while the verifiers load or roll.
+        assert set(c["livenessProbe"]) & {"httpGet", "grpc", "exec"} == set()
+        assert c["livenessProbe"]["tcpSocket"]["port"] == port
+        startup = c["startupProbe"]
+        assert startup["tcpSocket"]["port"] == port
+        assert startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3) >= 60
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_prometheus_annotations_point_at_the_port_that_serves_metrics(kustomization):
+    for name, template in pod_templates(kustomization):
+        for c in template["spec"]["containers"]:
+            if not is_specmesh(c) or command(c)[0] != "serve":
+                continue
+            annotations = template["metadata"].get("annotations", {})
+            assert annotations.get("prometheus.io/scrape") == "true", name
+            assert annotations.get("prometheus.io/path") == "/metrics", name
+            if command(c)[1] in HTTP_SERVICES:
+                port = listen_port(c)
+            else:
+                port = int(flag_values(c["args"])["--metrics-port"][0])
+            assert int(annotations["prometheus.io/port"]) == port, f"{name}: Prometheus would scrape the wrong port"
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
@@ -423,6 +495,9 @@ def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustom
     dns = ("kube-system", {"k8s-app": "kube-dns"})
     allowed = [
         (client, "verifier", 50051),
+        (client, "gateway", 8000),
+        (pods["gateway"], "verifier", 50051),
+        (prometheus, "gateway", 8000),
         (pods["verifier"], "ngram", 50061),
         (pods["verifier"], "draft", 50062),
         (pods["verifier"], "rag", 50063),
@@ -443,17 +518,39 @@ def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustom
         (pods["rag-ingest"], "redis", 6379),
         (pods["verifier"], "ngram", 9090),
         (prometheus, "redis", 6379),
+        *((pods["gateway"], tier, port) for tier, port in (("ngram", 50061), ("draft", 50062), ("rag", 50063))),
+        (pods["gateway"], "redis", 6379),
+        (pods["gateway"], "verifier", 9090),
+        (client, "gateway", 9090),
     ]
     for src, dst, port in allowed:
         assert flow_allowed(policies, src, pods[dst], port), f"{src} → {dst}:{port} should be allowed"
     for src, dst, port in refused:
         assert not ingress_allows(policies, src, pods[dst], port), f"{dst} should refuse {src} on {port}"
+    # The gateway admits any client pod; one in this namespace needs an egress policy of its own.
+    assert ingress_allows(policies, stranger, pods["gateway"], 8000)
+    assert not flow_allowed(policies, stranger, pods["gateway"], 8000)
     # Egress: the proposers and Redis open no connections; the ingest Job reaches only the rag proposer.
     for name in ("ngram", "draft", "rag", "redis"):
         assert not flow_allowed(policies, pods[name], client, 50051), f"{name} may open connections"
     assert not flow_allowed(policies, pods["rag-ingest"], pods["verifier"], 50051)
-    for name in ("verifier", "rag-ingest"):  # they resolve Service names
+    # The gateway opens connections to the verifier's gRPC port only.
+    assert not flow_allowed(policies, pods["gateway"], client, 50051)
+    assert not flow_allowed(policies, pods["gateway"], client, 443)
+    for name in ("ngram", "draft", "rag", "redis", "gateway"):
+        assert not flow_allowed(policies, pods[name], pods["gateway"], 8000), f"{name} may call the gateway"
+    for name in ("verifier", "rag-ingest", "gateway"):  # they resolve Service names
         assert flow_allowed(policies, pods[name], dns, 53)
+    # Narrowing the client rules (the verifier's and the gateway's first ingress rule) to client
+    # namespaces keeps the gateway → verifier flow and Prometheus' scrape of the gateway.
+    narrowed = copy.deepcopy(policies)
+    for p in narrowed:
+        if p["metadata"]["name"] in ("verifier", "gateway"):
+            p["spec"]["ingress"][0]["from"] = [{"namespaceSelector": {"matchLabels": {"team": "clients"}}}]
+    assert not flow_allowed(narrowed, client, pods["gateway"], 8000)
+    assert not flow_allowed(narrowed, client, pods["verifier"], 50051)
+    assert flow_allowed(narrowed, pods["gateway"], pods["verifier"], 50051)
+    assert flow_allowed(narrowed, prometheus, pods["gateway"], 8000)
 
 
 # ---- pod security, resources, Redis ---------------------------------------------------------------
@@ -573,7 +670,7 @@ def exported_metric_names() -> set[str]:
 def test_autoscalers_scale_each_tier_on_metrics_it_has(kustomization):
     deployments = objects(kustomization, "Deployment")
     hpas = objects(kustomization, "HorizontalPodAutoscaler")
-    assert set(hpas) == {"verifier", "ngram", "draft"}  # rag: one writer of its datastore
+    assert set(hpas) == {"verifier", "gateway", "ngram", "draft"}  # rag: one writer of its datastore
     exported = exported_metric_names()
     for name, hpa in hpas.items():
         ref = hpa["spec"]["scaleTargetRef"]
@@ -589,6 +686,7 @@ def test_autoscalers_scale_each_tier_on_metrics_it_has(kustomization):
                 assert m["type"] == "Pods" and m["pods"]["metric"]["name"] in exported, f"{name}: {m}"
     verifier_metrics = {m["pods"]["metric"]["name"] for m in hpas["verifier"]["spec"]["metrics"] if m["type"] == "Pods"}
     assert "specmesh_running_requests" in verifier_metrics
+    assert [m["type"] for m in hpas["gateway"]["spec"]["metrics"]] == ["Resource"]  # no GPU, no model: CPU
     if kustomization != "overlays/gpu":
         for tier in ("ngram", "draft"):
             assert [m["type"] for m in hpas[tier]["spec"]["metrics"]] == ["Resource"]

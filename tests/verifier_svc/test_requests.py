@@ -32,6 +32,10 @@ def _build(tokenizer, prompt="Hello", sampling=None, spec=None, chat=False):
         ([1, 2, 49152], None, None, "input.token_ids"),
         ("word " * 100, None, None, "input.text"),
         ("hi", SamplingParams(max_tokens=0), None, "sampling.max_tokens"),
+        ("hi", SamplingParams(max_tokens=64), None, "sampling.max_tokens"),
+        ("hi", SamplingParams(logprobs=21), None, "sampling.logprobs"),
+        ("hi", SamplingParams(logprobs=-1), None, "sampling.logprobs"),
+        ("hi", SamplingParams(stop_token_ids=(49152,)), None, "sampling.stop_token_ids"),
         ("hi", SamplingParams(temperature=-0.1), None, "sampling.temperature"),
         ("hi", SamplingParams(temperature=float("nan")), None, "sampling.temperature"),
         ("hi", SamplingParams(top_p=0.0), None, "sampling.top_p"),
@@ -59,8 +63,23 @@ def test_known_but_unconfigured_proposer_is_a_precondition_failure(tokenizer):
 
 def test_defaults_and_chat_template(tokenizer):
     req = _build(tokenizer, "Hi there", chat=True)
-    assert (req.temperature, req.top_p, req.top_k, req.max_tokens) == (1.0, 1.0, 0, 256)
+    # max_tokens unset: what remains of the context after the prompt
+    assert (req.temperature, req.top_p, req.top_k, req.max_tokens) == (1.0, 1.0, 0, 64 - len(req.prompt_ids))
+    assert req.logprobs is None and req.stop_token_ids == frozenset()
     assert req.spec.proposer == "auto" and req.request_id
     assert tokenizer.decode(req.prompt_ids).rstrip().endswith("assistant")
     seeded = _build(tokenizer, sampling=SamplingParams(seed=7, temperature=0))
     assert seeded.seed == 7 and seeded.temperature == 0.0
+
+
+def test_prompt_plus_max_tokens_over_the_context_names_both_numbers(tokenizer):
+    prompt = client_request("Hello", None, None, False)
+    n = len(build_request(prompt, tokenizer, LIMITS).prompt_ids)
+    assert _build(tokenizer, sampling=SamplingParams(max_tokens=64 - n)).max_tokens == 64 - n  # exactly fits
+    with pytest.raises(InvalidRequest, match=rf"prompt has {n} tokens and max_tokens is {65 - n}.*context of 64"):
+        _build(tokenizer, sampling=SamplingParams(max_tokens=65 - n))
+
+
+def test_logprobs_and_stop_token_ids_reach_the_request(tokenizer):
+    req = _build(tokenizer, sampling=SamplingParams(logprobs=0, stop_token_ids=(2, 7)))
+    assert req.logprobs == 0 and req.stop_token_ids == frozenset({2, 7})

@@ -228,3 +228,25 @@ def test_sigterm_drains_the_in_flight_request_then_exits(tmp_path, lm):
         drained.join(120)
     assert len(tokens + rest) == 48 and stream.summary.finish_reason == "length"
     assert v.proc.wait(60) == 0
+
+
+def test_logprobs_are_the_models_distribution_as_sampling_used_it(lm, client, prompts):
+    import torch
+
+    from verifier_svc.sampling import filter_logits
+
+    _, ids = prompts[0]
+    for params in (SamplingParams(temperature=0.0, max_tokens=6, logprobs=4),
+                   SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=6, logprobs=4)):  # fmt: skip
+        out = client.complete(ids, params)
+        assert len(out.logprobs) == len(out.token_ids) == 6
+        with torch.inference_mode():
+            logits = lm.model(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1].float()  # [6, V]
+        n = len(logits)
+        if params.temperature:  # sampled: after temperature and top-k, as the draw used it
+            logits = filter_logits(logits, torch.full((n,), 0.7), torch.ones(n), torch.full((n,), 20))
+        want = torch.log_softmax(logits, dim=-1)
+        for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            assert lp.logprob == pytest.approx(float(want[j, tok]), abs=1e-3)
+            assert [t.token_id for t in lp.top] == torch.topk(want[j], 4).indices.tolist()
+            assert lp.token == lm.tokenizer.decode([tok])

@@ -1,0 +1,3 @@
+from gateway_svc.server import main
+
+main()

@@ -1,0 +1,87 @@
+"""Errors in OpenAI's JSON shape, and the verifier's gRPC statuses mapped onto HTTP.
+
+``{"error": {"message", "type", "param", "code"}}``: INVALID_ARGUMENT / FAILED_PRECONDITION → 400
+with the offending request field in ``param``, RESOURCE_EXHAUSTED → 429 with ``Retry-After``,
+UNAVAILABLE → 503, DEADLINE_EXCEEDED → 504, anything else → 500 (a message, never a traceback).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+# The verifier's field names (verifier_svc/requests.py) → the OpenAI request field a client sent.
+_FIELD_PARAMS = {
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "sampling.seed": "seed",
+    "sampling.stop": "stop",
+    "sampling.stop_token_ids": "stop_token_ids",
+    "input.chat": "messages",
+    "input.text": "prompt",
+    "input.token_ids": "prompt",
+}
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
+}
+_CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}
+
+
+class ApiError(Exception):
+    """An error answer; a plain exception (frameworks set ``__traceback__`` on what they catch)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _field(details: str) -> str:
+    """The verifier field a message names: its messages start with ``field: …`` (or ``field 'x' …``)."""
+    return details.split(":", 1)[0].split(" ", 1)[0]
+
+
+def param_of(details: str, max_tokens_param: str, logprobs_param: str) -> str | None:
+    """The request field a verifier message names (its messages start with ``field: …``).
+
+    >>> param_of("sampling.top_p: must be in (0, 1], got 2.0", "max_tokens", "logprobs")
+    'top_p'
+    >>> param_of("sampling.max_tokens: the prompt has 9 tokens …", "max_completion_tokens", "top_logprobs")
+    'max_completion_tokens'
+    >>> param_of("spec_decode.proposer 'x' refused the request: …", "max_tokens", "logprobs")
+    'spec_decode.proposer'
+    """
+    field = _field(details)
+    if field == "sampling.max_tokens":
+        return max_tokens_param
+    if field == "sampling.logprobs":
+        return logprobs_param
+    if field.startswith("spec_decode."):
+        return field
+    return _FIELD_PARAMS.get(field)
+
+
+def from_grpc(exc: grpc.RpcError, max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs") -> ApiError:
+    code, details = exc.code(), exc.details() or ""
+    status, kind = _STATUS.get(code, (500, "server_error"))
+    param = param_of(details, max_tokens_param, logprobs_param) if status == 400 else None
+    message = param + details[len(_field(details)) :] if param else details  # the field as the client named it
+    if status == 503:
+        message = f"the verifier is unavailable: {details}"
+    return ApiError(status, message, kind, param, _CODES.get(status, code.name.lower()))

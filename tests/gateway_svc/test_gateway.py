@@ -1,0 +1,373 @@
+"""The gateway as a real process in front of a real verifier, driven by the official ``openai`` client:
+output identical to the gRPC SDK's, per-request speculation and its metrics, logprobs that do not
+depend on speculation, SSE framing, every error path, and a client leaving mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from support import start_gateway, start_verifier, stop_process, stop_verifier
+
+from specmesh import AsyncClient, Client, SamplingParams, SpecDecodeParams
+from specmesh.cli import DEMO_PROMPT
+
+pytestmark = pytest.mark.slow
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory, lm):
+    # 16 running + 2 waiting: the 16-stream test fits, a burst of 24 is refused (429).
+    v = start_verifier(
+        tmp_path_factory.mktemp("verifier"),
+        "--proposer",
+        "ngram=inprocess:ngram",
+        "--max-running",
+        "16",
+        "--max-waiting",
+        "2",
+    )
+    yield v
+    stop_verifier(v)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, verifier):
+    g = start_gateway(tmp_path_factory.mktemp("gateway"), verifier.address)
+    yield g
+    stop_process(g.proc)
+
+
+@pytest.fixture(scope="module")
+def oai(gateway):
+    return openai.OpenAI(base_url=gateway.url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    return oai.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def grpc_client(verifier):
+    with Client(verifier.address) as c:
+        yield c
+
+
+def _spec(resp) -> dict:
+    return resp.model_extra["metrics"]["speculative_decoding"]
+
+
+def test_models_health_and_metrics_describe_the_served_model(gateway, oai, model):
+    card = oai.models.list().data[0]
+    assert card.owned_by == "specmesh" and card.model_extra["max_model_len"] == 8192
+    assert oai.models.retrieve(model).id == model
+    base = gateway.url.removesuffix("/v1")
+    assert httpx.get(f"{base}/health").status_code == 200
+    oai.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0)
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'specmesh_gateway_requests_total{endpoint="/v1/completions",status="200"}' in metrics
+    assert "specmesh_gateway_time_to_first_token_seconds_bucket" in metrics
+
+
+def test_chat_and_completions_equal_the_grpc_sdk_streaming_or_not(oai, model, grpc_client):
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, logprobs=0)
+    want = grpc_client.complete(QUESTION, greedy, chat=True)
+    want_tokens = [lp.token for lp in want.logprobs]
+    kw = {"model": model, "max_tokens": 40, "temperature": 0, "logprobs": True}
+    msgs = [{"role": "user", "content": QUESTION}]
+    full = oai.chat.completions.create(messages=msgs, **kw)
+    assert full.choices[0].message.content == want.text
+    assert [t.token for t in full.choices[0].logprobs.content] == want_tokens  # the same tokens, one by one
+    assert full.usage.completion_tokens == len(want.token_ids)
+    assert full.usage.prompt_tokens == want.summary.prompt_tokens
+    assert full.choices[0].finish_reason == ("length" if want.summary.finish_reason == "length" else "stop")
+    chunks = list(oai.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+    raw = grpc_client.complete("def add(a, b):", SamplingParams(temperature=0.0, max_tokens=24))
+    text = oai.completions.create(model=model, prompt="def add(a, b):", max_tokens=24, temperature=0)
+    assert text.choices[0].text == raw.text and text.usage.completion_tokens == len(raw.token_ids)
+    ids = oai.completions.create(model=model, prompt=raw.token_ids[:5], max_tokens=8, temperature=0, stream=True)
+    by_ids = grpc_client.complete(raw.token_ids[:5], SamplingParams(temperature=0.0, max_tokens=8))
+    assert "".join(c.choices[0].text for c in ids) == by_ids.text
+
+
+def test_async_client_streams_chat_identical_to_the_blocking_one(gateway, oai, model):
+    msgs = [{"role": "user", "content": QUESTION}]
+    want = oai.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0)
+
+    async def run() -> str:
+        async with openai.AsyncOpenAI(base_url=gateway.url, api_key="unused", max_retries=0) as client:
+            stream = await client.chat.completions.create(
+                model=model, messages=msgs, max_tokens=24, temperature=0, stream=True
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    assert asyncio.run(run()) == want.choices[0].message.content
+
+
+def test_sse_framing_on_the_raw_bytes(gateway, model):
+    body = {
+        "model": model,
+        "prompt": "Hello",
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{gateway.url}/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(resp.iter_bytes())
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = raw.split(b"\n\n")[:-1]
+    assert all(e.startswith(b"data: ") and b"\n" not in e for e in events)
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(p["object"] == "text_completion" and p["id"] == payloads[0]["id"] for p in payloads)
+    assert payloads[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_spec_decode_none_drafts_nothing_and_ngram_accepts_on_a_code_edit(oai, model):
+    msgs = [{"role": "user", "content": DEMO_PROMPT}]
+    kw = {"model": model, "messages": msgs, "max_tokens": 96, "temperature": 0}
+    plain = oai.chat.completions.create(extra_body={"spec_decode": {"proposer": "none"}}, **kw)
+    fast = oai.chat.completions.create(extra_body={"spec_decode": {"proposer": "ngram"}}, **kw)
+    assert _spec(plain)["num_draft_tokens"] == 0 and _spec(plain)["num_spec_steps"] == 0
+    assert fast.choices[0].message.content == plain.choices[0].message.content
+    m = _spec(fast)
+    assert 0 < m["num_accepted_draft_tokens"] <= m["num_draft_tokens"]
+    assert sum(m["acceptance_histogram"]) == m["num_spec_steps"] > 0
+    assert m["proposers"]["ngram"]["num_accepted_draft_tokens"] == m["num_accepted_draft_tokens"]
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_draft_tokens"] / m["num_spec_steps"])
+    assert m["draft_acceptance_rate"] == pytest.approx(m["num_accepted_draft_tokens"] / m["num_draft_tokens"])
+    assert m["fallback_reason"] is None
+    stream = list(
+        oai.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, extra_body={"spec_decode": {"proposer": "ngram"}}, **kw
+        )
+    )
+    assert _spec(stream[-1])["num_accepted_draft_tokens"] > 0  # on the final usage chunk
+
+
+def test_logprobs_are_the_same_with_and_without_speculation(oai, model):
+    kw = {
+        "model": model,
+        "messages": [{"role": "user", "content": DEMO_PROMPT}],
+        "max_tokens": 64,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    plain = oai.chat.completions.create(extra_body={"spec_decode": {"proposer": "none"}}, **kw)
+    spec = oai.chat.completions.create(extra_body={"spec_decode": {"proposer": "ngram"}}, **kw)
+    assert _spec(spec)["num_accepted_draft_tokens"] > 0
+    a, b = plain.choices[0].logprobs.content, spec.choices[0].logprobs.content
+    assert [t.token for t in a] == [t.token for t in b]
+    worst = max(abs(x.logprob - y.logprob) for x, y in zip(a, b, strict=True))
+    print(f"largest logprob difference, speculative vs plain: {worst:.2e}")
+    assert worst < 1e-3
+    for t in a:
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.bytes == list(t.token.encode())
+
+
+def test_n_choices_stop_strings_and_completion_logprobs(oai, model):
+    out = oai.completions.create(
+        model=model, prompt=["1, 2, 3,", "a, b, c,"], max_tokens=6, n=2, temperature=0, logprobs=2
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text == out.choices[1].text and out.choices[2].text == out.choices[3].text
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6 and lp.text_offset[0] == 0
+    singles = [
+        oai.completions.create(model=model, prompt=p, max_tokens=6, temperature=0) for p in ("1, 2, 3,", "a, b, c,")
+    ]
+    assert [c.text for c in out.choices[::2]] == [s.choices[0].text for s in singles]
+    # each prompt counted once, not once per choice
+    assert out.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert out.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+    # A seed repeats a sample exactly for one request alone in the batch with speculation fixed: a tree
+    # changes which uniforms a token consumes, and n choices share steps whose batch size (and so the
+    # fp32 kernels' rounding) depends on timing. The distribution is the target's either way.
+    seeded = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 5,
+              "extra_body": {"spec_decode": {"proposer": "none"}}}  # fmt: skip
+    once, again = oai.completions.create(**seeded), oai.completions.create(**seeded)
+    assert once.choices[0].text == again.choices[0].text
+    fanned = oai.completions.create(**seeded, n=3)
+    assert len({c.text for c in fanned.choices}) == 3  # seeds seed, seed + 1, …: independent choices
+    stopped = oai.completions.create(model=model, prompt="1, 2, 3,", max_tokens=20, temperature=0, stop=[","])
+    assert stopped.choices[0].finish_reason == "stop" and "," not in stopped.choices[0].text
+    assert stopped.choices[0].model_extra["stop_reason"] == ","
+
+
+def _error(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 3}, 400, "top_p"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "spec_decode": {"proposer": "medusa"}},
+            400,
+            "spec_decode.proposer",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "spec_decode": {"proposer": "draft"}},
+            400,
+            "spec_decode.proposer",
+        ),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 100}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1}, 400, "frequency_penalty"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ],
+)
+def test_bad_requests_get_openai_errors_naming_the_field(gateway, model, body, status, param):
+    resp = httpx.post(f"{gateway.url}/chat/completions", json={"model": model, **body}, timeout=60)
+    assert resp.status_code == status, resp.text
+    err = _error(resp)
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+def test_unknown_model_route_and_malformed_json(gateway):
+    resp = httpx.post(
+        f"{gateway.url}/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert resp.status_code == 404 and _error(resp)["code"] == "model_not_found" and _error(resp)["param"] == "model"
+    resp = httpx.post(
+        f"{gateway.url}/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 400 and "JSON" in _error(resp)["message"]
+    assert httpx.get(f"{gateway.url}/nothing-here").status_code == 404
+    assert "Traceback" not in gateway.log()  # every error above was an answer, not a crash
+
+
+def test_a_full_verifier_is_429_with_retry_after_and_the_others_go_on(gateway, verifier, model):
+    # Short generations: the 2 queued requests answer (with their first token) once the running ones end.
+    body = {
+        "model": model,
+        "prompt": "Count to one thousand:",
+        "max_tokens": 32,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    _wait_idle(verifier)
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            streams = [client.stream("POST", f"{gateway.url}/completions", json=body) for _ in range(24)]
+            responses = await asyncio.gather(*(s.__aenter__() for s in streams))
+            codes = [r.status_code for r in responses]
+            refused = next(r for r in responses if r.status_code == 429)
+            await refused.aread()
+            assert refused.headers["retry-after"] == "1" and json.loads(refused.content)["error"]["code"]
+            for s in streams:
+                await s.__aexit__(None, None, None)  # leave every admitted stream: the verifier cancels them
+            return codes
+
+    codes = asyncio.run(burst())
+    assert codes.count(200) == 18 and codes.count(429) == 6
+    _wait_idle(verifier)
+
+
+def _wait_idle(verifier) -> None:
+    """Until the verifier runs and queues nothing (cancellations reach its engine asynchronously)."""
+    with Client(verifier.address) as c:
+        deadline = time.time() + 30
+        while (s := c.stats().server).running_requests + s.waiting_requests and time.time() < deadline:
+            time.sleep(0.1)
+        assert s.running_requests == 0 and s.waiting_requests == 0
+
+
+def test_a_dead_verifier_is_503_and_a_deadline_is_504(tmp_path, verifier, model):
+    from specmesh.deploy import free_port
+
+    dead = start_gateway(tmp_path, f"127.0.0.1:{free_port()}", "--served-model-name", model, healthy=False)
+    slow = start_gateway(tmp_path, verifier.address, "--request-timeout", "0.001")
+    try:
+        assert httpx.get(dead.url.removesuffix("/v1") + "/health").status_code == 503
+        msgs = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        resp = httpx.post(f"{dead.url}/chat/completions", json=msgs, timeout=60)
+        assert resp.status_code == 503 and _error(resp)["type"] == "service_unavailable_error"
+        resp = httpx.post(f"{slow.url}/chat/completions", json={**msgs, "max_tokens": 200}, timeout=60)
+        assert resp.status_code == 504 and _error(resp)["type"] == "timeout_error"
+    finally:
+        stop_process(dead.proc)
+        stop_process(slow.proc)
+
+
+def test_sixteen_streams_go_on_while_one_client_disconnects(gateway, verifier, model):
+    prompts = [f"Write a short poem about the number {i}." for i in range(15)]
+
+    async def run() -> list[int]:
+        async with openai.AsyncOpenAI(base_url=gateway.url, api_key="unused", max_retries=0, timeout=300) as client:
+
+            async def finish(p: str) -> int:
+                resp = await client.completions.create(
+                    model=model, prompt=p, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+                )
+                return resp.usage.completion_tokens
+
+            async def leave() -> int:
+                stream = await client.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "user", "content": "Count to 500."}],
+                    max_tokens=500,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                seen = 0
+                async for _ in stream:
+                    seen += 1
+                    if seen == 3:
+                        break
+                await stream.close()  # the client goes away mid-stream
+                return seen
+
+            return await asyncio.gather(leave(), *(finish(p) for p in prompts))
+
+    _wait_idle(verifier)
+    with Client(verifier.address) as c:
+        cancelled = c.stats().server.cancelled_requests
+        seen, *tokens = asyncio.run(run())
+        assert seen == 3 and tokens == [24] * 15
+        _wait_idle(verifier)
+        assert c.stats().server.cancelled_requests == cancelled + 1  # the one that left, and only it
+
+
+def test_async_sdk_closing_a_stream_cancels_the_rpc(verifier):
+    async def run() -> None:
+        async with AsyncClient(verifier.address) as c:
+            gen = c.generate(
+                "Count to 500.",
+                SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
+                SpecDecodeParams(proposer="none"),
+                chat=True,
+            )
+            await anext(gen)
+            await gen.aclose()
+            deadline = time.time() + 10
+            while (await c.stats()).server.running_requests and time.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert (await c.stats()).server.running_requests == 0
+
+    asyncio.run(run())

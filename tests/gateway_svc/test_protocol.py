@@ -1,0 +1,144 @@
+"""Request bodies → SDK parameters, and verifier statuses → OpenAI errors, without a server."""
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from gateway_svc.errors import from_grpc
+from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_choices_get_consecutive_seeds_and_the_fields_openai_and_vllm_define():
+    req = _chat(
+        seed=41,
+        n=3,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=7,
+        stop="END",
+        max_completion_tokens=12,
+        stop_token_ids=[2],
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=3,
+        some_unknown_field=1,
+    )
+    req.check(max_n=8)
+    p = req.sampling_for(2)
+    assert (p.seed, p.temperature, p.top_p, p.top_k, p.stop, p.max_tokens) == (43, 0.5, 0.9, 7, ("END",), 12)
+    assert (p.logprobs, p.stop_token_ids, p.ignore_eos) == (3, (2,), True)
+    assert _chat().sampling_for(0).seed is None and _chat().sampling_for(0).max_tokens is None
+    assert _chat(logprobs=True).sampling_for(0).logprobs == 0 and _chat().sampling_for(0).logprobs is None
+
+
+def test_spec_decode_from_extra_body_reaches_the_sdk_params():
+    spec = _chat(spec_decode={"proposer": "ngram", "num_speculative_tokens": 4, "workload_tag": "code"}).spec()
+    assert (spec.proposer, spec.num_speculative_tokens, spec.workload_tag) == ("ngram", 4, "code")
+    assert _chat().spec().proposer == "auto"
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"n": 9}, "n"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1.0}, "presence_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"min_tokens": 3}, "min_tokens"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_fields_the_server_cannot_honour_are_refused_by_name(kw, param):
+    with pytest.raises(RequestError) as err:
+        _chat(**kw).check(max_n=8)
+    assert err.value.param == param and err.value.status == 400
+
+
+def test_completion_prompts_and_their_refusals():
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
+    for kw, param in (
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 30}, "logprobs"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ):
+        with pytest.raises(RequestError) as err:
+            CompletionRequest(model="m", **kw).check(max_n=8)
+        assert err.value.param == param
+
+
+def test_text_parts_are_joined_and_other_parts_refused():
+    req = _chat()
+    req = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+    )
+    assert req.chat() == [{"role": "user", "content": "ab"}]
+    img = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(RequestError, match="image_url") as err:
+        img.chat()
+    assert err.value.param == "messages.0"
+
+
+def test_missing_messages_fail_validation():
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(model="m", messages=[])
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "status", "kind", "param"),
+    [
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.top_p: must be in (0, 1], got 3.0",
+            400,
+            "invalid_request_error",
+            "top_p",
+        ),
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.max_tokens: the prompt has 9 tokens",
+            400,
+            "invalid_request_error",
+            "max_completion_tokens",
+        ),
+        (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "spec_decode.proposer: proposer 'draft' is not configured",
+            400,
+            "invalid_request_error",
+            "spec_decode.proposer",
+        ),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent requests", 429, "rate_limit_error", None),
+        (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", 503, "service_unavailable_error", None),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", 504, "timeout_error", None),
+        (grpc.StatusCode.INTERNAL, "engine step failed", 500, "server_error", None),
+    ],
+)
+def test_grpc_statuses_map_to_openai_errors(code, details, status, kind, param):
+    err = from_grpc(_RpcError(code, details), max_tokens_param="max_completion_tokens")
+    assert (err.status, err.type, err.param) == (status, kind, param)
+    body = err.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    if param:  # the message names the field as the client sent it
+        assert body["message"].startswith(param + ":")
