@@ -31,7 +31,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 def build(batch: int, nodes: int, context: int, dtype: torch.dtype):
-    from kernels.tree_attention import ancestor_bits
+    from specmesh_kernels.tree_attention import ancestor_bits
 
     rng = random.Random(batch * 100_000 + nodes * 1000 + context)
     seq = context + nodes + 1
@@ -55,7 +55,7 @@ def run(batches, trees, contexts, dtype: torch.dtype) -> None:
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from kernels.tree_attention import tree_attention
+    from specmesh_kernels.tree_attention import tree_attention
 
     elem = torch.finfo(dtype).bits // 8
     copy_bw = copy_bandwidth()

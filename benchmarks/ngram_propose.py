@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common import workload_rows
 
-from proposer_svc.ngram import NgramConfig, NgramIndex
+from specmesh.server.ngram import NgramConfig, NgramIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from specmesh.model_loading import resolve_model_path
+    from specmesh.server.model_loading import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path())
     rows = workload_rows()

@@ -25,7 +25,7 @@ from proposer_svc.rag import CorpusIndex, RagConfig, concat_documents, propose_t
 def real_documents() -> list[np.ndarray]:
     from transformers import AutoTokenizer
 
-    from specmesh.model_loading import resolve_model_path
+    from specmesh.server.model_loading import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path())
     texts = [t for r in workload_rows() for t in [*r["turns"], r.get("reference") or ""] if t]

@@ -38,8 +38,8 @@ from gateway_svc.responses import (
     usage_of,
 )
 from specmesh.client import AsyncClient
-from specmesh.metrics import REGISTRY
 from specmesh.params import Chunk, Prompt, SamplingParams, SpecDecodeParams, Summary, TokenLogprob
+from specmesh.server.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 

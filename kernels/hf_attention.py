@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kernels.tree_attention import MAX_TREE_ROWS, launch_tree_attention
+from specmesh_kernels.tree_attention import MAX_TREE_ROWS, launch_tree_attention
 
 ATTN_NAME = "specmesh_tree"
 META_KWARG = "specmesh_tree"

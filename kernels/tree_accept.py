@@ -10,9 +10,9 @@ sparse distribution its proposer sampled from (``draft_ids`` / ``draft_probs``, 
 padded with id -1); a deterministic one uses q = one-hot(token).
 
 Split of work: everything parallel over rows happens in torch before the kernel (temperature /
-top-k / top-p via ``verifier_svc.sampling.filter_logits``, softmax, argmax, row sums, q
+top-k / top-p via ``specmesh.server.sampling.filter_logits``, softmax, argmax, row sums, q
 normalisation, first-child / next-sibling links, the table of counter-based uniforms from
-``verifier_svc.sampling.uniform``, so bit-identical to the host walk's); the kernel does the
+``specmesh.server.sampling.uniform``, so bit-identical to the host walk's); the kernel does the
 sequential part, one program per request: the walk down the tree with scalar loads, the child
 tests, the residual updates (in a float64 scratch row, written only at a level's first rejection)
 and the inverse-CDF bonus draw. Float sums run in a different order than NumPy's, so a draw can
@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._runtime import runnable
-from verifier_svc.sampling import filter_logits, uniform
+from specmesh.server.sampling import filter_logits, uniform
+from specmesh_kernels._runtime import runnable
 
 MAX_NODES = 63  # as tree attention: pending token + 63 nodes in one int64 bitmask
 

@@ -120,7 +120,7 @@ def distill(target_spec: str | None, out: Path, cfg: DistillConfig) -> dict[str,
 
     import torch
 
-    from specmesh.model_loading import load_model
+    from specmesh.server.model_loading import load_model
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)

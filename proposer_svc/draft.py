@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verifier_svc.model_runner import ModelRunner, causal_mask
-from verifier_svc.sampling import filter_logits, uniform
+from specmesh.server.model_runner import ModelRunner, causal_mask
+from specmesh.server.sampling import filter_logits, uniform
 
 _DRAFT_SEED_MIX = 0x5DEECE66D2B7E151  # draft noise: a stream apart from the verifier's acceptance uniforms
 

@@ -23,10 +23,10 @@ from typing import Any
 import grpc
 
 from proposer_svc.server import add_metrics_flag
-from specmesh.metrics import ProposerMetrics
-from specmesh.serving import new_server, serve
+from specmesh.server.metrics import ProposerMetrics
+from specmesh.server.packed_linear import add_linears_flag
+from specmesh.server.serving import new_server, serve
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
-from verifier_svc.packed_linear import add_linears_flag
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +312,8 @@ async def run(a: argparse.Namespace) -> None:
     import torch
 
     from proposer_svc.draft import DraftConfig, Drafter
-    from specmesh.model_loading import load_model, tokenizer_hash
-    from verifier_svc.model_runner import ModelRunner
+    from specmesh.server.model_loading import load_model, tokenizer_hash
+    from specmesh.server.model_runner import ModelRunner
 
     if a.threads > 0:
         torch.set_num_threads(a.threads)

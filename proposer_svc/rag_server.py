@@ -38,8 +38,8 @@ from proposer_svc.datastore import (
 )
 from proposer_svc.rag import RagConfig, RagRequest
 from proposer_svc.server import ProposerFactory, ProposerServicer, ProposerStartError, add_metrics_flag
-from specmesh.metrics import ProposerMetrics
-from specmesh.serving import new_server, serve
+from specmesh.server.metrics import ProposerMetrics
+from specmesh.server.serving import new_server, serve
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc, rag_pb2, rag_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def parse_args(argv: list[str] | None) -> RagServerConfig:
 async def run(cfg: RagServerConfig) -> None:
     from transformers import AutoTokenizer
 
-    from specmesh.model_loading import DEFAULT_MODEL, resolve_model_path, tokenizer_hash
+    from specmesh.server.model_loading import DEFAULT_MODEL, resolve_model_path, tokenizer_hash
 
     path = resolve_model_path(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)

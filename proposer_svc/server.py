@@ -18,9 +18,9 @@ from typing import Protocol
 
 import grpc
 
-from proposer_svc.ngram import NgramConfig, NgramIndex
-from specmesh.metrics import ProposerMetrics
-from specmesh.serving import new_server, serve
+from specmesh.server.metrics import ProposerMetrics
+from specmesh.server.ngram import NgramConfig, NgramIndex
+from specmesh.server.serving import new_server, serve
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -5,10 +5,10 @@ statistics (``router.stats``: in process or shared through Redis) and the measur
 verification step (``router.cost_model``). ``router.selection`` holds the policy core.
 """
 
-from router.cost_model import LiveStepCost, StepCost, choose_width
-from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
-from router.selection import Decision, Router, SelectionConfig, choose
-from router.stats import AcceptanceStats, StatsBackend, StatsConfig, StatsKey, open_stats
+from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width
+from specmesh_router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
+from specmesh_router.selection import Decision, Router, SelectionConfig, choose
+from specmesh_router.stats import AcceptanceStats, StatsBackend, StatsConfig, StatsKey, open_stats
 
 __all__ = [
     "AcceptanceStats",

@@ -25,9 +25,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.cost_model import CostFn
-from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
-from router.stats import AcceptanceStats, StatsBackend, StatsKey
+from specmesh_router.cost_model import CostFn
+from specmesh_router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
+from specmesh_router.stats import AcceptanceStats, StatsBackend, StatsKey
 
 StepTime = CostFn  # (batch rows, tokens per row) → seconds of one verification forward
 EXPLORATION = ("thompson", "ucb", "greedy")
@@ -158,7 +158,7 @@ def expected_accepted(alphas: Sequence[float]) -> list[float]:
 def best_k(alphas: Sequence[float], step_time: StepTime, batch: int, wait_s: float) -> tuple[int, float, float]:
     """(k ≥ 1, its goodput, its E(k)) maximising (1 + E(k)) / (step_time(batch, 1 + k) + wait_s).
 
-    >>> from router.cost_model import StepCost
+    >>> from specmesh_router.cost_model import StepCost
     >>> cpu = StepCost.by_tokens((1, 2, 4, 8, 16), (0.066, 0.119, 0.125, 0.139, 0.158))
     >>> k, g, e = best_k([0.9] * 16, cpu, batch=1, wait_s=0.0)
     >>> k, round(g, 1), round(e, 2)
@@ -188,7 +188,7 @@ def choose(
     ``current``: the request's proposer mid-request; another must beat it by ``switch_margin``.
 
     >>> cfg = SelectionConfig(exploration="greedy")
-    >>> from router.cost_model import StepCost
+    >>> from specmesh_router.cost_model import StepCost
     >>> cpu = StepCost.by_tokens((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.8, 1.9, 2.1, 2.4, 3.4, 6.0, 11.5))
     >>> copy = Posterior("ngram", (9.0,) * 8, (1.0,) * 8)    # α = 0.9 per depth
     >>> chat = Posterior("draft", (3.0,) * 8, (7.0,) * 8)    # α = 0.3

@@ -85,7 +85,7 @@ def check_health(address: str, timeout_s: float = 2.0) -> str:
 
 
 def default_run_dir() -> Path:
-    from specmesh.model_loading import cache_dir
+    from specmesh.server.model_loading import cache_dir
 
     return cache_dir() / "run"
 

@@ -24,7 +24,7 @@ def lm():
     """The default target model, loaded in the test process (reference outputs)."""
     import torch
 
-    from specmesh.model_loading import load_model
+    from specmesh.server.model_loading import load_model
 
     torch.set_num_threads(2)
     return load_model()

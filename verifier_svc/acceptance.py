@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verifier_svc.sampling import uniform
-from verifier_svc.tree import TokenTree, depths
+from specmesh.server.sampling import uniform
+from specmesh.server.tree import TokenTree, depths
 
 
 def children_lists(parents: list[int]) -> list[list[int]]:

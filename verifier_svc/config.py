@@ -6,9 +6,9 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from specmesh.server.packed_linear import add_linears_flag
 from verifier_svc.engine import EngineConfig
 from verifier_svc.local_proposer import inprocess_kind
-from verifier_svc.packed_linear import add_linears_flag
 
 
 @dataclass(frozen=True)

@@ -21,20 +21,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from router.cost_model import LiveStepCost, choose_width
-from router.stats import AcceptanceStats
+from specmesh.server.model_runner import ModelRunner, causal_mask
+from specmesh.server.sampling import filter_logits, sample_next
+from specmesh.server.tree import TokenTree, depths, follow, truncate, verification_layout
+from specmesh_router.cost_model import LiveStepCost, choose_width
+from specmesh_router.stats import AcceptanceStats
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.detokenizer import IncrementalDetokenizer, StopStringFilter
 from verifier_svc.logprobs import TokenLogprob, token_logprobs
-from verifier_svc.model_runner import ModelRunner, causal_mask
 from verifier_svc.proposer_client import ProposerSession, wait_for_trees
 from verifier_svc.requests import GenerationRequest
-from verifier_svc.sampling import filter_logits, sample_next
-from verifier_svc.tree import TokenTree, depths, follow, truncate, verification_layout
 
 if TYPE_CHECKING:
-    from router.selection import Router
-    from specmesh.metrics import VerifierMetrics
+    from specmesh.server.metrics import VerifierMetrics
+    from specmesh_router.selection import Router
 
 log = logging.getLogger(__name__)
 _EMPTY_TREE = TokenTree([], [])
@@ -666,7 +666,7 @@ class Engine:
     def _accept_on_device(
         seqs: list[_Sequence], trees: list[TokenTree], logits: torch.Tensor
     ) -> list[tuple[list[int], int]]:
-        from kernels.tree_accept import PackedTrees, tree_accept, unpack_result
+        from specmesh_kernels.tree_accept import PackedTrees, tree_accept, unpack_result
 
         dev, req = logits.device, [s.req for s in seqs]
         packed = PackedTrees.from_lists(

@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 import time
 
-from proposer_svc.ngram import NgramConfig, NgramIndex
+from specmesh.server.ngram import NgramConfig, NgramIndex
+from specmesh.server.tree import TokenTree
 from verifier_svc.proposer_client import ProposerLimits, Stored, serve_tree
-from verifier_svc.tree import TokenTree
 
 INPROCESS_PREFIX = "inprocess:"
 INPROCESS_KINDS = ("ngram",)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier_svc.sampling import filter_logits
+from specmesh.server.sampling import filter_logits
 
 
 @dataclass(frozen=True)

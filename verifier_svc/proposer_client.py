@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from specmesh.server.tree import InvalidTree, TokenTree, rebase, validate_tree
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
-from verifier_svc.tree import InvalidTree, TokenTree, rebase, validate_tree
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from router.cost_model import LiveStepCost
-from router.policy import PolicyStore, SpeculationPolicy
-from router.selection import Router, SelectionConfig
-from router.stats import StatsBackend, StatsConfig, open_stats
-from specmesh.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
-from specmesh.model_loading import tokenizer_hash
-from specmesh.serving import new_server, serve
+from specmesh.server.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
+from specmesh.server.model_loading import tokenizer_hash
+from specmesh.server.serving import new_server, serve
 from specmesh.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -28,6 +24,10 @@ from specmesh.v1 import (
     proposer_pb2,
     proposer_pb2_grpc,
 )
+from specmesh_router.cost_model import LiveStepCost
+from specmesh_router.policy import PolicyStore, SpeculationPolicy
+from specmesh_router.selection import Router, SelectionConfig
+from specmesh_router.stats import StatsBackend, StatsConfig, open_stats
 from verifier_svc.config import VerifierConfig, parse_args
 from verifier_svc.engine import Engine, EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent
 from verifier_svc.local_proposer import LocalProposerSession, inprocess_kind
@@ -352,8 +352,8 @@ def eos_token_ids(model: object, tokenizer: object) -> set[int]:
 async def run(config: VerifierConfig) -> None:
     import torch
 
-    from specmesh.model_loading import load_model
-    from verifier_svc.model_runner import ModelRunner, measure_step_cost
+    from specmesh.server.model_loading import load_model
+    from specmesh.server.model_runner import ModelRunner, measure_step_cost
 
     if config.threads > 0:
         torch.set_num_threads(config.threads)

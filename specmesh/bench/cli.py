@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from specmesh.bench.oracle import OracleServer
-    from specmesh.model_loading import resolve_model_path
+    from specmesh.server.model_loading import resolve_model_path
 
     model_path = resolve_model_path(a.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -207,7 +207,7 @@ class HfReference:
     def __init__(self, model_path: str | None, threads: int) -> None:
         import torch
 
-        from specmesh.model_loading import load_model
+        from specmesh.server.model_loading import load_model
 
         if threads:
             torch.set_num_threads(threads)

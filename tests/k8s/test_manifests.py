@@ -41,7 +41,7 @@ COMMANDS = (
     ("rag", "ingest"),
 )
 # How many --grace periods a service's SIGTERM drain can take: one each. The verifier's wait for
-# running requests and the gRPC server's stop share one deadline (specmesh/serving.py); the gateway
+# running requests and the gRPC server's stop share one deadline (specmesh/server/serving.py); the gateway
 # lets in-flight responses finish within --grace.
 DRAIN_GRACE_PERIODS = {"verifier": 1, "ngram": 1, "draft": 1, "rag": 1, "gateway": 1}
 HTTP_SERVICES = ("gateway",)  # `specmesh serve` tiers that speak HTTP (probes httpGet/tcpSocket, not gRPC)
@@ -291,7 +291,7 @@ def test_environment_references_resolve_and_no_variable_is_unused(kustomization)
 
 
 def test_servers_close_connections_so_clients_re_resolve_new_replicas():
-    from specmesh.serving import SERVER_OPTIONS
+    from specmesh.server.serving import SERVER_OPTIONS
 
     assert dict(SERVER_OPTIONS).get("grpc.max_connection_age_ms", 0) > 0
 
@@ -658,7 +658,7 @@ def test_redis_is_internal_and_password_protected_from_a_secret(kustomization):
 def exported_metric_names() -> set[str]:
     from prometheus_client import CollectorRegistry
 
-    from specmesh.metrics import ProposerMetrics, VerifierMetrics
+    from specmesh.server.metrics import ProposerMetrics, VerifierMetrics
 
     registry = CollectorRegistry()
     VerifierMetrics(registry)
@@ -783,7 +783,9 @@ def test_both_image_variants_share_one_build():
 
 def test_the_build_context_holds_every_package_the_project_installs():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    setuptools = pyproject["tool"]["setuptools"]
+    folders = {setuptools["package-dir"].get(p, p.replace(".", "/")) for p in setuptools["packages"]}
+    packages = {f for f in folders if "/" not in f}  # top-level folders; subpackages come with them
     copied = {src for w, rest in dockerfile() if w == "COPY" and not rest.startswith("--") for src in rest.split()[:-1]}
     allowed = {
         line[1:].strip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")
@@ -800,7 +802,7 @@ def test_the_image_bakes_the_model_path_the_manifests_load():
     build = "\n".join(rest for w, rest in dockerfile() if w == "RUN")
     folder = Path(model).name
     assert f"/models/{folder} {Path(model).parent}" in build, "the bake step must move the converted model there"
-    assert f'"models" / "{folder}"' in (ROOT / "specmesh" / "model_loading.py").read_text()
+    assert f'"models" / "{folder}"' in (ROOT / "specmesh" / "server" / "model_loading.py").read_text()
     for kustomization in KUSTOMIZATIONS:
         models = next(cm for n, cm in objects(kustomization, "ConfigMap").items() if n.startswith("specmesh-models"))
         assert models["data"] == {"target": model, "draft": model}

@@ -13,7 +13,7 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kernels  # noqa: F401  (defines nothing yet; fixes the interpreter choice for this process)
+import specmesh_kernels  # noqa: F401  (defines nothing yet; fixes the interpreter choice for this process)
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from kernels.hf_attention import tree_meta_from_mask
-from verifier_svc.model_runner import ModelRunner, causal_mask
-from verifier_svc.tree import verification_layout
+from specmesh.server.model_runner import ModelRunner, causal_mask
+from specmesh.server.tree import verification_layout
+from specmesh_kernels.hf_attention import tree_meta_from_mask
 
 
 def tree_step(lengths: list[int], trees: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,7 +63,7 @@ def tiny_llama():
 
 
 def test_model_runner_through_the_kernel_matches_the_sdpa_path(tiny_llama, monkeypatch):
-    import kernels.hf_attention as hook
+    import specmesh_kernels.hf_attention as hook
 
     launches = []
     real_launch = hook.launch_tree_attention

@@ -8,7 +8,9 @@ import random
 import pytest
 import torch
 
-from kernels.tree_accept import (
+from specmesh.server.sampling import filter_logits
+from specmesh.server.tree import TokenTree
+from specmesh_kernels.tree_accept import (
     PackedTrees,
     tree_accept,
     tree_accept_kernel_launch,
@@ -16,8 +18,6 @@ from kernels.tree_accept import (
     unpack_result,
 )
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
-from verifier_svc.sampling import filter_logits
-from verifier_svc.tree import TokenTree
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: 100k walks take hours in Triton's CPU interpreter"

@@ -13,9 +13,9 @@ from proposer_svc.draft import (
     proposal_distribution,
     sampling_template,
 )
-from verifier_svc.model_runner import ModelRunner, causal_mask
-from verifier_svc.sampling import filter_logits
-from verifier_svc.tree import TokenTree, depths, validate_tree
+from specmesh.server.model_runner import ModelRunner, causal_mask
+from specmesh.server.sampling import filter_logits
+from specmesh.server.tree import TokenTree, depths, validate_tree
 
 VOCAB = 96
 

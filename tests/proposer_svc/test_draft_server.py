@@ -22,7 +22,7 @@ from support import (
 from proposer_svc.distill import save_draft, truncate_layers
 from specmesh import Client, SamplingParams, SpecDecodeParams
 from specmesh.deploy import free_port, wait_healthy
-from specmesh.model_loading import tokenizer_hash
+from specmesh.server.model_loading import tokenizer_hash
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
 pytestmark = pytest.mark.slow

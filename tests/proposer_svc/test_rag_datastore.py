@@ -128,7 +128,7 @@ def test_a_tokenizer_that_raises_is_reported_with_the_document_name():
 def test_target_tokenizer_keeps_special_token_strings_as_text():
     from transformers import AutoTokenizer
 
-    from specmesh.model_loading import resolve_model_path
+    from specmesh.server.model_loading import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path())
     [ids] = tokenize_documents(tok, [("chat.txt", "user says <|im_start|> here")])

@@ -57,7 +57,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from specmesh.model_loading import resolve_model_path
+    from specmesh.server.model_loading import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path())
 
@@ -103,7 +103,7 @@ def _first_chain(tree: proposer_pb2.TokenTree) -> list[int]:
 
 
 def test_cli_lists_the_ingested_corpus_with_the_target_tokenizer(rag, tokenizer):
-    from specmesh.model_loading import tokenizer_hash
+    from specmesh.server.model_loading import tokenizer_hash
 
     out = cli("list", "--target", rag[0])
     assert out.returncode == 0, out.stderr
@@ -113,7 +113,7 @@ def test_cli_lists_the_ingested_corpus_with_the_target_tokenizer(rag, tokenizer)
 
 
 def test_propose_stream_proposes_the_corpus_continuation_and_follows_advances(rag, tokenizer):
-    from specmesh.model_loading import tokenizer_hash
+    from specmesh.server.model_loading import tokenizer_hash
 
     doc = tokenizer(DOC_A, add_special_tokens=False).input_ids
     prompt = tokenizer("Tell me: ", add_special_tokens=False).input_ids + doc[:12]

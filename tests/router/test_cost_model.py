@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from router.cost_model import LiveStepCost, StepCost, choose_width
+from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width
 
 # Shaped like this CPU's start-up table (ms): one row's cost rises slowly with width, eight rows' fast.
 TABLE = StepCost(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
+from specmesh_router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
 
 
 def test_fixed_policy_needs_a_configured_proposer():

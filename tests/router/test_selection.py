@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from router.cost_model import StepCost
-from router.policy import PolicyStore, SpeculationPolicy
-from router.selection import Posterior, Router, SelectionConfig, choose
-from router.stats import AcceptanceStats, InProcessStats, StatsConfig
+from specmesh_router.cost_model import StepCost
+from specmesh_router.policy import PolicyStore, SpeculationPolicy
+from specmesh_router.selection import Posterior, Router, SelectionConfig, choose
+from specmesh_router.stats import AcceptanceStats, InProcessStats, StatsConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from router.stats import (
+from specmesh_router.stats import (
     AcceptanceStats,
     InProcessStats,
     RedisStats,
@@ -181,7 +181,7 @@ def test_redis_down_at_start_then_killed_and_restarted_never_raises_and_resumes(
         backoff_max_s=0.2,
         socket_timeout_s=0.2,
     )
-    caplog.set_level(logging.INFO, logger="router.stats")
+    caplog.set_level(logging.INFO, logger="specmesh_router.stats")
 
     def warnings() -> int:
         return sum(r.levelno == logging.WARNING and "unavailable" in r.message for r in caplog.records)

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
+from specmesh.server.tree import TokenTree
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
-from verifier_svc.tree import TokenTree
 
 VOCAB = 10
 

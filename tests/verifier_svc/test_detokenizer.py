@@ -9,7 +9,7 @@ from verifier_svc.detokenizer import IncrementalDetokenizer, StopStringFilter
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from specmesh.model_loading import resolve_model_path
+    from specmesh.server.model_loading import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path())
 

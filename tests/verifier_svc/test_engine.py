@@ -7,8 +7,8 @@ import time
 import pytest
 from support import assert_greedy_equal, workload_prompts
 
+from specmesh.server.model_runner import ModelRunner
 from verifier_svc.engine import Engine, EngineConfig, EngineFull, ErrorEvent, FinishEvent, TokenEvent
-from verifier_svc.model_runner import ModelRunner
 from verifier_svc.requests import GenerationRequest, SpecRequest
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_admission_limit_raises_and_stop_strings_end_generation(chat_ids, engine
 def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_skipped_trees(lm, chat_ids, hf_greedy):
     """k_cap 0 and a poor prior (the router's "off"): the skipped n-gram trees keep guessing the
     emitted tokens, so the request's own estimate rises and the cost gate verifies trees again."""
-    from router.cost_model import LiveStepCost, StepCost
+    from specmesh_router.cost_model import LiveStepCost, StepCost
     from verifier_svc.local_proposer import LocalProposerSession
     from verifier_svc.proposer_client import ProposerLimits
 

@@ -233,7 +233,7 @@ def test_sigterm_drains_the_in_flight_request_then_exits(tmp_path, lm):
 def test_logprobs_are_the_models_distribution_as_sampling_used_it(lm, client, prompts):
     import torch
 
-    from verifier_svc.sampling import filter_logits
+    from specmesh.server.sampling import filter_logits
 
     _, ids = prompts[0]
     for params in (SamplingParams(temperature=0.0, max_tokens=6, logprobs=4),

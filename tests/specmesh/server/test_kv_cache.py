@@ -2,7 +2,7 @@
 
 import torch
 
-from verifier_svc.kv_cache import SlotKVCache
+from specmesh.server.kv_cache import SlotKVCache
 
 
 def _cache(**kw) -> SlotKVCache:

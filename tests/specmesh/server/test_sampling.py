@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from verifier_svc.sampling import filter_logits, sample_from_probs, sample_next, uniform
+from specmesh.server.sampling import filter_logits, sample_from_probs, sample_next, uniform
 
 
 def test_uniform_is_deterministic_and_independent_of_batch_composition():

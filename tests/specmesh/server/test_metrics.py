@@ -7,9 +7,9 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry
 
-from router.stats import AcceptanceStats, InProcessStats, StatsConfig, StatsKey
 from specmesh.deploy import free_port
-from specmesh.metrics import ProposerMetrics, RouterStatsCollector, VerifierMetrics, start_metrics_server
+from specmesh.server.metrics import ProposerMetrics, RouterStatsCollector, VerifierMetrics, start_metrics_server
+from specmesh_router.stats import AcceptanceStats, InProcessStats, StatsConfig, StatsKey
 
 
 def sample(text: str, name: str, **labels: str) -> float:

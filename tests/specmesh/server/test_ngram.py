@@ -1,6 +1,6 @@
 """The n-gram proposal core on tiny token arrays."""
 
-from proposer_svc.ngram import NgramConfig, NgramIndex, propose_tree
+from specmesh.server.ngram import NgramConfig, NgramIndex, propose_tree
 
 
 def _index(tokens: list[int], **cfg) -> NgramIndex:

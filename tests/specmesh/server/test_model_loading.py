@@ -2,7 +2,7 @@
 
 import pytest
 
-from specmesh.model_loading import ModelNotFoundError, resolve_model_path
+from specmesh.server.model_loading import ModelNotFoundError, resolve_model_path
 
 
 def test_missing_model_gets_a_clear_error(tmp_path):
@@ -20,7 +20,7 @@ def test_default_model_resolves_to_a_converted_hf_folder_that_any_path_spec_acce
 
 @pytest.mark.slow
 def test_a_local_hf_folder_loads_as_the_target(tmp_path, lm):
-    from specmesh.model_loading import load_model
+    from specmesh.server.model_loading import load_model
 
     lm.model.save_pretrained(tmp_path)
     lm.tokenizer.save_pretrained(tmp_path)

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from verifier_svc.model_runner import ModelRunner, causal_mask
-from verifier_svc.packed_linear import PackedLinear, linear_reference, pack_linears, supported
+from specmesh.server.model_runner import ModelRunner, causal_mask
+from specmesh.server.packed_linear import PackedLinear, linear_reference, pack_linears, supported
 
 pytestmark = pytest.mark.skipif(
     not supported(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN linear packing"

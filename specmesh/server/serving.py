@@ -62,7 +62,7 @@ async def serve(
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     host = address.rsplit(":", 1)[0]
     print(f"{ready_message or 'serving'} on {host}:{port}", flush=True)
-    from specmesh.metrics import start_metrics_server
+    from specmesh.server.metrics import start_metrics_server
 
     exporter = start_metrics_server(metrics_port)
 

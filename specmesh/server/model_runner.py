@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from router.cost_model import StepCost
-from verifier_svc import attention as gqa_attention
-from verifier_svc import packed_linear
-from verifier_svc.kv_cache import SlotKVCache
+from specmesh.server import attention as gqa_attention
+from specmesh.server import packed_linear
+from specmesh.server.kv_cache import SlotKVCache
+from specmesh_router.cost_model import StepCost
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -66,7 +66,7 @@ class ModelRunner:
         )
         self.tree_kernel = device.type == "cuda" if tree_kernel is None else tree_kernel
         if self.tree_kernel:
-            from kernels.hf_attention import register
+            from specmesh_kernels.hf_attention import register
 
             model.set_attn_implementation(register())
         elif gqa_attention.supports(cfg):  # SDPA without repeating K/V for every query head
@@ -91,7 +91,7 @@ class ModelRunner:
         self.cache.begin_forward(rows, write_pos, kv_len)
         tree: dict[str, Any] = {}
         if self.tree_kernel:  # the kernel's form of the mask, or SDPA with the dense mask for this forward
-            from kernels.hf_attention import META_KWARG, tree_meta_from_mask
+            from specmesh_kernels.hf_attention import META_KWARG, tree_meta_from_mask
 
             meta = tree_meta_from_mask(mask, write_pos)
             if meta is not None:

@@ -109,7 +109,7 @@ def validate_tree(tree: TokenTree, vocab_size: int, max_nodes: int, max_depth: i
     >>> validate_tree(TokenTree([5, 6], [-1, 1]), 10, 4, 4)  # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
     ...
-    verifier_svc.tree.InvalidTree: node 1: parent 1 is not an earlier node
+    specmesh.server.tree.InvalidTree: node 1: parent 1 is not an earlier node
     """
     n = len(tree.tokens)
     if len(tree.parents) != n:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from verifier_svc.tree import InvalidTree, TokenTree, validate_tree, verification_layout
+from specmesh.server.tree import InvalidTree, TokenTree, validate_tree, verification_layout
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from verifier_svc.attention import gqa_attention_forward, supports
+from specmesh.server.attention import gqa_attention_forward, supports
 
 
 class _Layer(torch.nn.Module):

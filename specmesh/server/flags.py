@@ -1,0 +1,131 @@
+"""Every service's flags: each defaults to the ``SPECMESH_*`` variable named after it, ``--help``
+shows the default and the variable, and a bad value (flag or variable) is a one-line error.
+
+The variable of ``--stats-half-life`` is ``SPECMESH_STATS_HALF_LIFE``: one rule for every service,
+so an operator never looks a name up. A repeatable flag reads its variable as a comma list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_var(flag: str) -> str:
+    """The environment variable that supplies a flag's default.
+
+    >>> env_var("--stats-half-life")
+    'SPECMESH_STATS_HALF_LIFE'
+    """
+    return "SPECMESH_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def boolean(text: str) -> bool:
+    """A yes/no value as a flag or a variable spells it.
+
+    >>> boolean("on"), boolean("0")
+    (True, False)
+    """
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+def _type_name(kind: Callable[[str], Any]) -> str:
+    return {int: "integer", float: "number", boolean: "yes/no"}.get(kind, getattr(kind, "__name__", "value"))
+
+
+class ServiceFlags:
+    """An ``argparse`` parser for one service whose flags all follow the rule above.
+
+    >>> f = ServiceFlags("specmesh serve demo", "A demo.")
+    >>> f.add("--max-nodes", 16, int, "tree nodes per proposal")
+    >>> f.parse(["--max-nodes", "8"]).max_nodes
+    8
+    """
+
+    def __init__(self, prog: str, description: str) -> None:
+        self.parser = argparse.ArgumentParser(
+            prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        )
+        self._bad_env: list[str] = []
+
+    def add(
+        self,
+        flag: str,
+        default: Any,
+        kind: Callable[[str], Any],
+        help: str,
+        *,
+        choices: Sequence[Any] | None = None,
+        repeat: bool = False,
+        metavar: str | None = None,
+    ) -> None:
+        """``flag`` of type ``kind`` (``int``, ``float``, ``str``, ``boolean`` or any converter);
+        ``repeat``: the flag may be given several times and its value is a list."""
+        var = env_var(flag)
+        raw = os.environ.get(var)
+        if raw is not None:
+            default = self._from_env(var, raw, kind, choices, repeat, default)
+        kwargs: dict[str, Any] = {"type": kind, "default": default, "help": f"{help} [env {var}]"}
+        if choices is not None:
+            kwargs["choices"] = choices
+        if metavar is not None:
+            kwargs["metavar"] = metavar
+        if repeat:
+            kwargs["action"] = "append"
+            kwargs["default"] = list(default or [])
+        if kind is boolean:
+            kwargs["metavar"] = metavar or "{yes,no}"
+        self.parser.add_argument(flag, **kwargs)
+
+    def _from_env(
+        self, var: str, raw: str, kind: Callable[[str], Any], choices: Sequence[Any] | None, repeat: bool, default: Any
+    ) -> Any:
+        items = [x.strip() for x in raw.split(",") if x.strip()] if repeat else [raw]
+        try:
+            values = [kind(x) for x in items]
+        except (ValueError, TypeError):
+            self._bad_env.append(f"{var}={raw!r} is not a valid {_type_name(kind)}")
+            return default
+        bad = [v for v in values if choices is not None and v not in choices]
+        if bad:
+            self._bad_env.append(f"{var}={raw!r}: choose from {', '.join(map(str, choices))}")
+            return default
+        return values if repeat else values[0]
+
+    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        """The parsed flags; a bad variable or flag exits with one line (status 2), as argparse does."""
+        if self._bad_env:
+            self.parser.error("; ".join(self._bad_env))
+        return self.parser.parse_args(argv)
+
+    def error(self, message: str) -> NoReturn:
+        self.parser.error(message)
+
+
+def host_port(flags: ServiceFlags, flag: str, value: str) -> str:
+    """``value`` if it is HOST:PORT, else a one-line flag error.
+
+    >>> host_port(ServiceFlags("x", "y"), "--address", "127.0.0.1:50051")
+    '127.0.0.1:50051'
+    """
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        flags.error(f"{flag} expects HOST:PORT, got {value!r}")
+    return value
+
+
+def at_least(flags: ServiceFlags, flag: str, value: float, low: float) -> Any:
+    """``value`` if it is ≥ ``low``, else a one-line flag error naming the limit."""
+    if value < low:
+        flags.error(f"{flag} must be >= {low}, got {value}")
+    return value
