@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import dataclass
+
+from specmesh.server.flags import ServiceFlags, at_least, host_port
 
 
 @dataclass(frozen=True)
@@ -18,39 +18,28 @@ class GatewayConfig:
     retry_after_s: int = 1  # Retry-After of a 429 (the verifier's queue is full)
 
 
-def _flag(p: argparse.ArgumentParser, flag: str, env: str, default: str, kind: type, help: str) -> None:
-    """A flag whose default comes from SPECMESH_<ENV>; argparse converts (and rejects) it in one line."""
-    var = f"SPECMESH_{env}"
-    p.add_argument(flag, type=kind, default=os.environ.get(var, default), help=f"{help} [env {var}]")
+def build_flags() -> ServiceFlags:
+    """The gateway's flags (``specmesh serve gateway --help``)."""
+    f = ServiceFlags(
+        "specmesh serve gateway",
+        "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) over a verifier.",
+    )
+    f.add("--address", "127.0.0.1:8000", str, "HTTP host:port to listen on")
+    f.add("--verifier", "127.0.0.1:50051", str, "verifier gRPC target (dns:///host:port spreads over replicas)")
+    f.add("--served-model-name", "", str, "the model id clients send; empty = the verifier's")
+    f.add("--request-timeout", 600.0, float, "seconds one generation may take (then 504)")
+    f.add("--max-n", 8, int, "most choices (n) one request may ask for")
+    f.add("--grace", 30.0, float, "seconds in-flight streams get to finish on SIGTERM")
+    return f
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
-    p = argparse.ArgumentParser(
-        prog="specmesh serve gateway",
-        description="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) over a verifier.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    _flag(p, "--address", "GATEWAY_ADDRESS", "127.0.0.1:8000", str, "HTTP host:port to listen on")
-    _flag(
-        p,
-        "--verifier",
-        "VERIFIER_TARGET",
-        "127.0.0.1:50051",
-        str,
-        "verifier gRPC target (dns:///host:port spreads over replicas)",
-    )
-    _flag(p, "--served-model-name", "SERVED_MODEL_NAME", "", str, "the model id clients send; empty = the verifier's")
-    _flag(p, "--request-timeout", "REQUEST_TIMEOUT", "600", float, "seconds one generation may take (then 504)")
-    _flag(p, "--max-n", "MAX_N", "8", int, "most choices (n) one request may ask for")
-    _flag(p, "--grace", "GRACE", "30", float, "seconds in-flight streams get to finish on SIGTERM")
-    a = p.parse_args(argv)
-    host, sep, port = a.address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        p.error(f"--address expects HOST:PORT, got {a.address!r}")
-    if a.max_n < 1:
-        p.error(f"--max-n must be >= 1, got {a.max_n}")
-    if a.request_timeout <= 0:
-        p.error(f"--request-timeout must be > 0, got {a.request_timeout}")
+    f = build_flags()
+    a = f.parse(argv)
+    host_port(f, "--address", a.address)
+    at_least(f, "--max-n", a.max_n, 1)
+    at_least(f, "--request-timeout", a.request_timeout, 1e-3)
+    at_least(f, "--grace", a.grace, 0)
     return GatewayConfig(
         address=a.address,
         verifier=a.verifier,

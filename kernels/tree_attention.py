@@ -20,6 +20,7 @@ results a second small kernel combines. fp16, bf16 and fp32 inputs; fp32 accumul
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -444,3 +445,58 @@ def tree_attention(
         scale=scale,
         num_splits=num_splits,
     )
+
+
+# --- the kernel's form of a dense tree mask -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeMeta:
+    """Kernel view of one forward's mask. start int32 [b]: first new slot (the tree window);
+    row_prefix int32 [b, n]: keys < row_prefix always seen; bits int64 [b, n]: window keys seen."""
+
+    start: torch.Tensor
+    row_prefix: torch.Tensor
+    bits: torch.Tensor
+
+
+def _pack_bits(window: torch.Tensor) -> torch.Tensor:
+    """bool [..., n] (n <= 64) → int64 [...], column j → bit j.
+
+    >>> _pack_bits(torch.tensor([[True, False, True]])).tolist()
+    [5]
+    """
+    j = torch.arange(window.shape[-1], device=window.device)
+    return (window.long() << j).sum(-1)  # distinct bits; bit 63 alone makes it negative, no overflow
+
+
+def tree_meta_from_mask(mask: torch.Tensor, write_pos: torch.Tensor) -> TreeMeta | None:
+    """The kernel's form of ``mask`` (bool [b, n, kv]) for new tokens at ``write_pos`` (int64 [b, n]), or None.
+
+    >>> m = torch.tensor([[[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]], dtype=torch.bool)
+    >>> meta = tree_meta_from_mask(m, torch.tensor([[2, 3, 4]]))   # pending at 2, two root children
+    >>> meta.start.tolist(), meta.row_prefix.tolist(), meta.bits.tolist()
+    ([2], [[2, 2, 2]], [[1, 3, 5]])
+    >>> tree_meta_from_mask(m, torch.tensor([[2, 4, 3]])) is None   # not written contiguously
+    True
+    """
+    b, n, kv = mask.shape
+    if n > MAX_TREE_ROWS or b == 0:
+        return None
+    dev = mask.device
+    start = write_pos[:, 0]  # [b]
+    offsets = torch.arange(n, device=dev)
+    cols = start[:, None] + offsets  # [b, n] the window's key slots
+    window = mask.gather(2, cols.clamp(max=kv - 1)[:, None, :].expand(b, n, n)) & (cols < kv)[:, None, :]  # [b, n, n]
+    bits = _pack_bits(window)  # [b, n]
+    keys = torch.arange(kv, device=dev)
+    first_unseen = torch.where(mask, kv, keys).amin(dim=-1)  # [b, n] length of the all-seen run from key 0
+    row_prefix = torch.minimum(first_unseen, start[:, None])
+    rel = keys[None, None, :] - start[:, None, None]  # [b, 1, kv]
+    in_window = (rel >= 0) & (rel < n)
+    seen = ((bits[:, :, None] >> rel.clamp(0, n - 1)) & 1).bool() & in_window
+    rebuilt = (keys[None, None, :] < row_prefix[:, :, None]) | seen  # [b, n, kv]
+    ok = (write_pos == cols).all() & (cols[:, -1] < kv).all() & (rebuilt == mask).all()
+    if not bool(ok):  # the one host sync of this forward
+        return None
+    return TreeMeta(start.to(torch.int32), row_prefix.to(torch.int32).contiguous(), bits.contiguous())

@@ -1,11 +1,10 @@
-"""Verifier configuration: flags, each with an environment-variable default (for containers)."""
+"""Verifier configuration: flags (each defaulting to the ``SPECMESH_*`` variable named after it) → one frozen config."""
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import dataclass, field
 
+from specmesh.server.flags import ServiceFlags, at_least, host_port
 from specmesh.server.packed_linear import add_linears_flag
 from verifier_svc.engine import EngineConfig
 from verifier_svc.local_proposer import inprocess_kind
@@ -32,78 +31,94 @@ class VerifierConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"SPECMESH_{name}", default)
+def build_flags() -> ServiceFlags:
+    """The verifier's flags (``specmesh serve verifier --help``)."""
+    f = ServiceFlags("specmesh serve verifier", "SpecMesh verifier service (target model).")
+    f.add("--address", "127.0.0.1:50051", str, "host:port to listen on")
+    f.add("--model", None, str, "HF model folder or .gguf; default SmolLM2-135M-Instruct")
+    f.add("--device", None, str, "cpu, cuda, cuda:1 …; default: the GPU if present")
+    f.add("--dtype", None, str, "float32, bfloat16, float16; default: float32 on CPU, bfloat16 on GPU")
+    f.add("--threads", 0, int, "torch threads (0 = torch's default)")
+    add_linears_flag(f)
+    f.add("--max-context", 0, int, "context tokens per request (0 = the model's maximum)")
+    f.add("--max-running", 32, int, "batch slots: requests decoded together")
+    f.add("--max-waiting", 64, int, "admitted requests that wait for a slot; beyond them: RESOURCE_EXHAUSTED")
+    f.add("--prefill-chunk", 512, int, "prompt tokens per prefill forward")
+    f.add(
+        "--proposer",
+        [],
+        str,
+        "a proposer service, e.g. ngram=127.0.0.1:50061 or ngram=dns:///ngram:50061 (repeatable); "
+        "ADDRESS inprocess:ngram runs the n-gram algorithm inside the verifier",
+        repeat=True,
+        metavar="NAME=ADDRESS",
+    )
+    f.add(
+        "--auto-proposers",
+        "",
+        str,
+        "proposers the router may choose for proposer=auto (empty: every configured one); others serve only "
+        "requests that name them, e.g. a benchmark's oracle",
+        metavar="NAME,NAME",
+    )
+    f.add(
+        "--spec-gating",
+        "cost",
+        str,
+        "cost: verify trees only where expected goodput beats plain decoding (profiled at start-up); "
+        "always: verify every tree",
+        choices=["cost", "always"],
+    )
+    f.add(
+        "--redis-url",
+        "",
+        str,
+        "Redis for the router's statistics, shared by every verifier replica "
+        "(e.g. redis://:PASSWORD@redis:6379/0); empty = statistics in this process",
+    )
+    f.add("--stats-prefix", "specmesh:stats", str, "Redis key prefix")
+    f.add("--stats-half-life", 300.0, float, "seconds after which a statistic counts half (the router follows drift)")
+    f.add(
+        "--exploration",
+        "thompson",
+        str,
+        "how the router tries proposers whose statistics are uncertain",
+        choices=["thompson", "ucb", "greedy"],
+    )
+    f.add("--metrics-port", 0, int, "Prometheus /metrics port; 0 = off")
+    f.add(
+        "--proposer-wait-ms",
+        5.0,
+        float,
+        "longest wait per step for the requests' trees (a draft model needs about its proposal latency)",
+    )
+    f.add(
+        "--proposer-timeout",
+        2.0,
+        float,
+        "seconds without any answer after which a request drops its proposer (and decodes plainly)",
+    )
+    f.add("--grace", 30.0, float, "seconds running requests get to finish on SIGTERM")
+    return f
 
 
 def parse_args(argv: list[str] | None = None) -> VerifierConfig:
-    p = argparse.ArgumentParser(prog="specmesh-verifier", description="SpecMesh verifier service (target model).")
-    p.add_argument("--address", default=_env("VERIFIER_ADDRESS", "127.0.0.1:50051"), help="host:port to listen on")
-    p.add_argument("--model", default=_env("MODEL", "") or None, help="HF model folder or .gguf; default SmolLM2-135M")
-    p.add_argument("--device", default=_env("DEVICE", "") or None, help="cpu, cuda, cuda:1 …; default: GPU if present")
-    p.add_argument("--dtype", default=_env("DTYPE", "") or None, help="float32, bfloat16, float16")
-    p.add_argument("--threads", type=int, default=int(_env("THREADS", "0")), help="torch threads (0 = default)")
-    add_linears_flag(p, _env("LINEARS", "packed"))
-    p.add_argument("--max-context", type=int, default=int(_env("MAX_CONTEXT", "0")), help="0 = model maximum")
-    p.add_argument("--max-running", type=int, default=int(_env("MAX_RUNNING", "32")), help="batch slots")
-    p.add_argument("--max-waiting", type=int, default=int(_env("MAX_WAITING", "64")), help="queued requests")
-    p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", "512")), help="tokens per prefill")
-    p.add_argument(
-        "--proposer",
-        action="append",
-        default=[x for x in _env("PROPOSERS", "").split(",") if x],
-        metavar="NAME=ADDRESS",
-        help="a proposer service, e.g. ngram=127.0.0.1:50061 or ngram=dns:///ngram:50061 (repeatable); "
-        "ADDRESS inprocess:ngram runs the n-gram algorithm inside the verifier",
-    )
-    p.add_argument(
-        "--auto-proposers",
-        default=_env("AUTO_PROPOSERS", ""),
-        metavar="NAME,NAME",
-        help="proposers the router may choose for proposer=auto (default: all configured); others serve only "
-        "requests that name them, e.g. a benchmark's oracle",
-    )
-    p.add_argument(
-        "--spec-gating",
-        choices=["cost", "always"],
-        default=_env("SPEC_GATING", "cost"),
-        help="cost: verify trees only where expected goodput beats plain decoding (profiled at start-up); "
-        "always: verify every tree",
-    )
-    p.add_argument(
-        "--redis-url",
-        default=_env("REDIS_URL", ""),
-        help="Redis for the router's statistics, shared by every verifier replica "
-        "(e.g. redis://:PASSWORD@redis:6379/0); empty = statistics in this process",
-    )
-    p.add_argument("--stats-prefix", default=_env("STATS_PREFIX", "specmesh:stats"), help="Redis key prefix")
-    p.add_argument(
-        "--stats-half-life",
-        type=float,
-        default=float(_env("STATS_HALF_LIFE_S", "300")),
-        help="seconds after which a statistic counts half (the router follows drift)",
-    )
-    p.add_argument(
-        "--exploration",
-        choices=["thompson", "ucb", "greedy"],
-        default=_env("EXPLORATION", "thompson"),
-        help="how the router tries proposers whose statistics are uncertain",
-    )
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "0")), help="Prometheus; 0 = off")
-    p.add_argument(
-        "--proposer-wait-ms",
-        type=float,
-        default=float(_env("PROPOSER_WAIT_MS", "5")),
-        help="longest wait per step for the requests' trees (a draft model needs about its proposal latency)",
-    )
-    p.add_argument(
-        "--proposer-timeout",
-        type=float,
-        default=float(_env("PROPOSER_TIMEOUT_S", "2")),
-        help="seconds without any answer after which a request drops its proposer (and decodes plainly)",
-    )
-    p.add_argument("--grace", type=float, default=float(_env("GRACE_S", "30")), help="drain seconds on SIGTERM")
-    a = p.parse_args(argv)
+    p = build_flags()
+    a = p.parse(argv)
+    host_port(p, "--address", a.address)
+    for flag, value, low in (
+        ("--threads", a.threads, 0),
+        ("--max-context", a.max_context, 0),
+        ("--max-running", a.max_running, 1),
+        ("--max-waiting", a.max_waiting, 0),
+        ("--prefill-chunk", a.prefill_chunk, 1),
+        ("--stats-half-life", a.stats_half_life, 1e-3),
+        ("--metrics-port", a.metrics_port, 0),
+        ("--proposer-wait-ms", a.proposer_wait_ms, 0),
+        ("--proposer-timeout", a.proposer_timeout, 1e-3),
+        ("--grace", a.grace, 0),
+    ):
+        at_least(p, flag, value, low)
     proposers = []
     for item in a.proposer:
         name, sep, addr = item.partition("=")
@@ -141,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     )
 
 
-def _auto_proposers(p: argparse.ArgumentParser, value: str, configured: list[str]) -> tuple[str, ...] | None:
+def _auto_proposers(p: ServiceFlags, value: str, configured: list[str]) -> tuple[str, ...] | None:
     if not value:
         return None
     names = tuple(x.strip().lower() for x in value.split(",") if x.strip())

@@ -13,6 +13,11 @@ so SDPA runs on the cache's own key/value views. Same arithmetic per (head, quer
 result equals the repeated form up to floating-point reduction order. Forwards without a mask
 (the model used outside the verifier, e.g. ``generate()``: causal by flag), without grouping, or
 with one query token (transformers packs those itself) take transformers' own SDPA path.
+
+On CUDA the runner may also pass, per forward, the Triton tree-attention kernel's compact form of
+the mask (``specmesh_kernels.tree_attention.TreeMeta``, keyword ``specmesh_tree``): such forwards
+run the kernel on the cache's own key/value views instead. One attention function, registered with
+transformers once, serves both paths.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Any
 
 import torch
 
-ATTN_NAME = "specmesh_gqa"
+ATTN_NAME = "specmesh"
+META_KWARG = "specmesh_tree"  # the tree kernel's mask metadata, passed through the decoder's kwargs
 _folded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (mask, groups, fold): all layers share one mask
 
 
@@ -46,7 +52,7 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask if mask.shape[-2] == 1 else mask.repeat(1, 1, groups, 1)
 
 
-def gqa_attention_forward(
+def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -58,6 +64,9 @@ def gqa_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [b, H, n, D], key/value [b, kv_heads, kv, D] → ([b, n, H, D], None)."""
     global _folded
+    meta = kwargs.pop(META_KWARG, None)
+    if meta is not None and query.dtype in (torch.float16, torch.bfloat16, torch.float32) and key.stride(3) == 1:
+        return _tree_kernel(query, key, value, meta, scaling), None
     b, heads, n, dim = query.shape
     groups = heads // key.shape[1]
     if attention_mask is None or groups == 1 or n == 1:  # implicit causality, no repeat, or a decode step
@@ -78,6 +87,34 @@ def gqa_attention_forward(
     return out.reshape(b, heads, n, dim).transpose(1, 2).contiguous(), None
 
 
+def _tree_kernel(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: Any, scaling: float | None
+) -> torch.Tensor:
+    """The Triton tree-attention kernel over the cache's key/value views → [b, n, H, D]."""
+    from specmesh_kernels import tree_attention
+
+    b, heads, n, dim = query.shape
+    dev = query.device
+    out = torch.empty(b, n, heads, dim, dtype=query.dtype, device=dev)
+    tree_attention.launch_tree_attention(
+        query,
+        key,
+        value.to(key.dtype),
+        out,
+        torch.zeros(b, dtype=torch.int32, device=dev),
+        torch.full((b,), n, dtype=torch.int32, device=dev),
+        torch.arange(b, dtype=torch.int32, device=dev),
+        meta.start,
+        meta.bits,
+        max_q=n,
+        max_kv=key.shape[2],
+        batch_strided=True,
+        row_prefix=meta.row_prefix,
+        scale=scaling,
+    )
+    return out
+
+
 def supports(config: object) -> bool:
     """Plain causal attention only: no sliding window, logit soft-capping or attention sinks, which
     this function does not apply (such models keep transformers' own attention)."""
@@ -88,8 +125,8 @@ def supports(config: object) -> bool:
 
 
 def register() -> str:
-    """Register :func:`gqa_attention_forward` with transformers (idempotent); returns its name."""
+    """Register :func:`attention_forward` with transformers (idempotent); returns its name."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_NAME, gqa_attention_forward)
+    AttentionInterface.register(ATTN_NAME, attention_forward)
     return ATTN_NAME

@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from specmesh.server import attention as gqa_attention
-from specmesh.server import packed_linear
+from specmesh.server import attention, packed_linear
 from specmesh.server.kv_cache import SlotKVCache
 from specmesh_router.cost_model import StepCost
 
@@ -40,8 +39,9 @@ class ModelRunner:
         tree_kernel: bool | None = None,
         packed_linears: bool = False,
     ) -> None:
-        """``tree_kernel``: attention through the Triton tree-attention kernel (``kernels.hf_attention``);
-        default on CUDA only. Elsewhere SDPA over the cache without repeating K/V (``attention``).
+        """``tree_kernel``: tree steps through the Triton tree-attention kernel; default on CUDA only.
+        Otherwise SDPA over the cache without repeating K/V (both in ``attention``; models it does not
+        support keep transformers' attention, and no kernel).
         ``packed_linears``: on a CPU, replace the model's linear layers in place by oneDNN ones with
         pre-packed weights (``packed_linear``; ignored where unsupported)."""
         self.packed_linears = packed_linears and packed_linear.supported(device, dtype)
@@ -64,13 +64,11 @@ class ModelRunner:
             device=device,
             seq_limit=max_context,
         )
-        self.tree_kernel = device.type == "cuda" if tree_kernel is None else tree_kernel
-        if self.tree_kernel:
-            from specmesh_kernels.hf_attention import register
-
-            model.set_attn_implementation(register())
-        elif gqa_attention.supports(cfg):  # SDPA without repeating K/V for every query head
-            model.set_attn_implementation(gqa_attention.register())
+        # The kernel applies neither sliding windows nor soft-capping either: supported models only.
+        supported = attention.supports(cfg)
+        self.tree_kernel = supported and (device.type == "cuda" if tree_kernel is None else tree_kernel)
+        if supported:
+            model.set_attn_implementation(attention.register())
 
     @torch.inference_mode()
     def forward(
@@ -91,11 +89,11 @@ class ModelRunner:
         self.cache.begin_forward(rows, write_pos, kv_len)
         tree: dict[str, Any] = {}
         if self.tree_kernel:  # the kernel's form of the mask, or SDPA with the dense mask for this forward
-            from specmesh_kernels.hf_attention import META_KWARG, tree_meta_from_mask
+            from specmesh_kernels.tree_attention import tree_meta_from_mask
 
             meta = tree_meta_from_mask(mask, write_pos)
             if meta is not None:
-                tree[META_KWARG] = meta
+                tree[attention.META_KWARG] = meta
         attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
         attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
         out = self.decoder(

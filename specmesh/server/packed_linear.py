@@ -14,9 +14,9 @@ own ``generate()`` is tested through the verifier service.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
+
+from specmesh.server.flags import ServiceFlags
 
 # The weight layout is blocked for about this many rows (steps bring 1 … ~100; measured flat
 # between 16 and 64, slower when packed for 1 row).
@@ -70,12 +70,13 @@ def pack_linears(model: torch.nn.Module, rows_hint: int = ROWS_HINT) -> int:
     return len(swaps)
 
 
-def add_linears_flag(p: argparse.ArgumentParser, default: str) -> None:
+def add_linears_flag(flags: ServiceFlags) -> None:
     """``--linears packed|stock``, shared by the services that run a model through ``ModelRunner``."""
-    p.add_argument(
+    flags.add(
         "--linears",
-        choices=["packed", "stock"],
-        default=default,
-        help="CPU float32: packed = linear layers through oneDNN with weights packed once at start-up "
+        "packed",
+        str,
+        "CPU float32: packed = linear layers through oneDNN with weights packed once at start-up "
         "(faster multi-token steps); stock = transformers' own",
+        choices=["packed", "stock"],
     )

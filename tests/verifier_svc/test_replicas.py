@@ -173,7 +173,19 @@ def test_redis_killed_mid_run_requests_complete_and_statistics_resume_when_it_re
         assert client.router_stats().connected
 
 
-def test_verifier_metrics_count_drafted_and_accepted_tokens_per_proposer(cluster):
-    port = cluster["metrics"][0]
-    assert metric(port, "specmesh_drafted_tokens_total", proposer="ngram") > 0
-    assert metric(port, "specmesh_requests_total", status="ok") > 0
+def test_verifier_metrics_count_drafted_and_accepted_tokens_per_proposer(cluster, chat_ids):
+    # Its own traffic (the test passes alone and in any order): a copy task n-gram lookup drafts on.
+    port, address = cluster["metrics"][0], cluster["verifiers"][0].address
+    drafted, ok = (
+        metric(port, "specmesh_drafted_tokens_total", proposer="ngram"),
+        metric(port, "specmesh_requests_total", status="ok"),
+    )
+    numbers = ", ".join(str(i) for i in range(40, 80))
+    spec = _complete(address, chat_ids(f"Copy this list exactly: {numbers}"), max_tokens=48).summary.speculation
+    assert spec.drafted_tokens > 0
+    deadline = time.time() + 5  # the last step's counts are recorded just after its tokens are sent
+    while metric(port, "specmesh_drafted_tokens_total", proposer="ngram") < drafted + spec.drafted_tokens:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert metric(port, "specmesh_drafted_tokens_total", proposer="ngram") == drafted + spec.drafted_tokens
+    assert metric(port, "specmesh_requests_total", status="ok") == ok + 1

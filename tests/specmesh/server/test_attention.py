@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specmesh.server.attention import gqa_attention_forward, supports
+from specmesh.server.attention import attention_forward, supports
 
 
 class _Layer(torch.nn.Module):
@@ -39,7 +39,7 @@ def test_folded_gqa_matches_repeated_kv_sdpa_on_tree_masks_and_strided_cache_vie
     mask = _tree_mask(b, n, prefix)
     layer = _Layer(heads // kv_heads)
     want, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=dim**-0.5)
-    got, _ = gqa_attention_forward(layer, query, key, value, mask, scaling=dim**-0.5)
+    got, _ = attention_forward(layer, query, key, value, mask, scaling=dim**-0.5)
     assert got.shape == want.shape == (b, n, heads, dim)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -55,5 +55,5 @@ def test_maskless_forwards_stay_causal_as_in_transformers():
     torch.manual_seed(1)
     query, key, value = torch.randn(1, 9, 6, 8), torch.randn(1, 3, 6, 8), torch.randn(1, 3, 6, 8)
     want, _ = sdpa_attention_forward(_Layer(3), query, key, value, None)
-    got, _ = gqa_attention_forward(_Layer(3), query, key, value, None)
+    got, _ = attention_forward(_Layer(3), query, key, value, None)
     torch.testing.assert_close(got, want)

@@ -1,4 +1,4 @@
-"""The transformers hook: the verifier's masks convert exactly to the kernel's form (or are refused),
+"""Tree attention inside the runner: the verifier's masks convert exactly to the kernel's form (or are refused),
 and a Llama model run by ModelRunner through the tree-attention kernel gives the SDPA path's hidden
 states for prefill, plain decode and batched tree steps with ragged, padded rows."""
 
@@ -11,7 +11,7 @@ import torch
 
 from specmesh.server.model_runner import ModelRunner, causal_mask
 from specmesh.server.tree import verification_layout
-from specmesh_kernels.hf_attention import tree_meta_from_mask
+from specmesh_kernels.tree_attention import tree_meta_from_mask
 
 
 def tree_step(lengths: list[int], trees: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,7 +63,7 @@ def tiny_llama():
 
 
 def test_model_runner_through_the_kernel_matches_the_sdpa_path(tiny_llama, monkeypatch):
-    import specmesh_kernels.hf_attention as hook
+    import specmesh_kernels.tree_attention as hook
 
     launches = []
     real_launch = hook.launch_tree_attention
@@ -72,7 +72,8 @@ def test_model_runner_through_the_kernel_matches_the_sdpa_path(tiny_llama, monke
         ModelRunner(copy.deepcopy(tiny_llama), torch.device("cpu"), torch.float32, 256, tree_kernel=flag)
         for flag in (False, True)
     ]
-    assert [r.model.config._attn_implementation for r in runners] == ["specmesh_gqa", "specmesh_tree"]
+    assert [r.model.config._attn_implementation for r in runners] == ["specmesh", "specmesh"]  # one adapter
+    assert [r.tree_kernel for r in runners] == [False, True]
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 64, (3, 20), generator=gen)
     pos = torch.arange(20)[None].repeat(3, 1)
