@@ -1,8 +1,13 @@
-"""The ``specmesh`` command line: serve, up, generate, status, admin, demo."""
+"""The ``specmesh`` command line: serve, up, generate, status, admin, demo.
+
+Client commands (generate, status, admin, --help) need only the SDK's grpcio + protobuf; the
+others need ``specmesh[serve]`` and say so in one line when it is missing (``specmesh.extras``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -12,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from specmesh import extras
 from specmesh.client import DEFAULT_ADDRESS, Client
 from specmesh.params import SamplingParams, SpecDecodeParams
 
@@ -58,12 +64,7 @@ TOOLS: dict[str, str] = {
     "draft": "proposer_svc.distill",
     "rag": "proposer_svc.rag_cli",
 }
-
-
-def _run_module_main(module: str, argv: list[str]) -> None:
-    import importlib
-
-    importlib.import_module(module).main(argv)
+TOOL_EXTRAS = {"bench": "serve,bench"}  # the pip extra each tool needs; default "serve"
 
 
 def _serve(argv: list[str]) -> None:
@@ -77,10 +78,11 @@ def _serve(argv: list[str]) -> None:
     # Sleeping (not spinning) OpenMP workers leave the gRPC and engine threads a core on small
     # machines: measured 9.5 → 10.9 tok/s single-stream on 2 cores. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    _run_module_main(SERVICES[service], rest)
+    extras.run_main(f"serve {service}", SERVICES[service], rest)
 
 
 def _deployment(args: argparse.Namespace):
+    extras.require(args.cmd)  # before any process starts: each would fail alone, in its log
     from specmesh.deploy import DeploymentConfig, LocalDeployment
 
     cfg = DeploymentConfig(
@@ -167,12 +169,16 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _status(args: argparse.Namespace) -> None:
-    from specmesh.deploy import check_health, check_http_health, known_health_urls, known_services
+    # A client command: the health check is plain grpcio (specmesh.health), the state file stdlib.
+    from specmesh.deploy import check_http_health, default_run_dir, known_health_urls, known_services
+    from specmesh.health import check_health
 
     services, urls = dict(known_services()), known_health_urls()
     for i, addr in enumerate(args.target or []):
         services[f"target{i}"] = addr
     if not services:
+        note = f"no local deployment recorded in {default_run_dir()}; checking the default verifier"
+        print(f"specmesh status: {note}", file=sys.stderr)
         services = {"verifier": DEFAULT_ADDRESS}
     bad = 0
     for name, addr in services.items():
@@ -241,7 +247,9 @@ def _demo(args: argparse.Namespace) -> None:
             total = sum(len(r.token_ids) for r in results)
             print(f"    first answer: {results[0].text.strip()[:100]!r}")
             print(f"    {len(results)} streams: {total / elapsed:.1f} tok/s aggregate", flush=True)
-        if dep.gateway_url:
+        if dep.gateway_url and importlib.util.find_spec("openai") is None:
+            print("\n(the OpenAI-client part needs the openai package: pip install 'specmesh[bench]')", flush=True)
+        elif dep.gateway_url:
             _demo_openai(dep.gateway_url)
     finally:
         dep.stop()
@@ -312,7 +320,12 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmesh", description="SpecMesh: speculative decoding as gRPC services.")
+    parser = argparse.ArgumentParser(
+        prog="specmesh",
+        description="SpecMesh: speculative decoding as gRPC services.",
+        epilog="generate, status and admin are client commands; the others need pip install 'specmesh[serve]'.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the pip line whole
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     sub.add_parser("serve", help="run one service in the foreground (as a container does)", add_help=False)
@@ -358,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         _serve(argv[1:])
         return
     if argv and argv[0] in TOOLS:
-        _run_module_main(TOOLS[argv[0]], argv[1:])
+        extras.run_main(argv[0], TOOLS[argv[0]], argv[1:], TOOL_EXTRAS.get(argv[0], "serve"))
         return
     args = build_parser().parse_args(argv)
     {"up": _up, "generate": _generate, "status": _status, "admin": _admin, "demo": _demo}[args.cmd](args)

@@ -16,32 +16,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+# The gRPC health check is plain grpcio (specmesh.health): `specmesh status` runs on a client-only install.
+from specmesh.health import wait_healthy
+from specmesh.paths import cache_dir
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Block until ``address`` answers SERVING on the health service; raise on timeout or exit."""
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"service at {address} exited with code {proc.returncode}")
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"service at {address} not healthy after {timeout_s:.0f} s")
 
 
 def wait_http_healthy(
@@ -74,19 +57,7 @@ def check_http_health(url: str, timeout_s: float = 2.0) -> str:
         return f"UNREACHABLE ({exc})"
 
 
-def check_health(address: str, timeout_s: float = 2.0) -> str:
-    """SERVING / NOT_SERVING / UNREACHABLE (with the gRPC error)."""
-    try:
-        with grpc.insecure_channel(address) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-            return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    except grpc.RpcError as exc:
-        return f"UNREACHABLE ({exc.code().name})"
-
-
 def default_run_dir() -> Path:
-    from specmesh.server.model_loading import cache_dir
-
     return cache_dir() / "run"
 
 

@@ -252,21 +252,25 @@ def test_every_flag_the_manifests_pass_exists_in_the_cli(cmd):
 
 def test_every_specmesh_environment_variable_of_the_manifests_and_the_image_is_read_by_the_source():
     text = source_text()
-    names = {
-        e["name"]
-        for kustomization in KUSTOMIZATIONS
-        for _, _, c in specmesh_containers(kustomization)
-        for e in c.get("env", [])
-        if e["name"].startswith("SPECMESH_")
-    } | {n for n in image_env() if n.startswith("SPECMESH_")}
-    assert {"SPECMESH_REDIS_URL", "SPECMESH_CACHE_DIR", "SPECMESH_MODEL"} <= names
-    # Read either literally or through verifier_svc/config.py's _env("SUFFIX") helper.
-    unread = sorted(
-        n
-        for n in names
-        if n not in text and not re.search(rf"_env\(\s*\"{re.escape(n.removeprefix('SPECMESH_'))}\"", text)
-    )
-    assert not unread, f"no service reads {', '.join(unread)}"
+    helps = {cmd: " ".join(cli_help(cmd).split()) for cmd in COMMANDS}  # unwrapped
+
+    def read(name: str, cmds) -> bool:
+        """A flag's default of one of ``cmds`` (``--help`` names it), or read literally by the source."""
+        return any(f"[env {name}]" in helps[c] for c in cmds) or f'"{name}"' in text
+
+    image = {n for n in image_env() if n.startswith("SPECMESH_")}
+    assert {"SPECMESH_CACHE_DIR", "SPECMESH_MODEL"} <= image
+    assert not [n for n in image if not read(n, COMMANDS)]
+    seen = set()
+    for kustomization in KUSTOMIZATIONS:
+        for name, _, c in specmesh_containers(kustomization):
+            for e in c.get("env", []):
+                if e["name"].startswith("SPECMESH_"):
+                    seen.add(e["name"])
+                    assert read(e["name"], [command(c)]), (
+                        f"{name}: `specmesh {' '.join(command(c))}` reads no {e['name']}"
+                    )
+    assert "SPECMESH_REDIS_URL" in seen
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
