@@ -4,7 +4,8 @@
     specmesh rag list [--target host:port]
 
 A file's document name is its path as given, so ingesting the same path again replaces that
-document. Imports no torch or numpy: the server tokenizes and indexes.
+document. Imports no torch or numpy: the server tokenizes and indexes. The upload shows a tqdm
+bar on stderr.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+from tqdm import tqdm
 
 from specmesh.v1 import rag_pb2, rag_pb2_grpc
 
@@ -52,6 +54,15 @@ def ingest_requests(
             yield rag_pb2.IngestRequest(chunk=rag_pb2.DocumentChunk(document=name, data=data[i : i + chunk_bytes]))
 
 
+def _with_upload_bar(requests: Iterator[rag_pb2.IngestRequest], total_bytes: int) -> Iterator[rag_pb2.IngestRequest]:
+    """``requests``, counting their bytes on a bar that closes when the last one is sent: the
+    server's tokenizing and indexing that follow are one step each, with nothing to count."""
+    with tqdm(total=total_bytes, desc="upload", unit="B", unit_scale=True, leave=False) as bar:
+        for req in requests:
+            yield req
+            bar.update(len(req.chunk.data))  # 0 for the start message
+
+
 def _ingest(stub: rag_pb2_grpc.RagServiceStub, a: argparse.Namespace) -> None:
     files = [Path(f) for f in a.files]
     for f in files:
@@ -59,8 +70,11 @@ def _ingest(stub: rag_pb2_grpc.RagServiceStub, a: argparse.Namespace) -> None:
             sys.exit(f"specmesh rag ingest: {f}: not a file")
     if not files and not a.text:
         sys.exit("specmesh rag ingest: give FILES or --text")
+    texts = a.text or []
+    total_bytes = sum(f.stat().st_size for f in files) + sum(len(t.encode()) for t in texts)
     t0 = time.perf_counter()
-    resp = stub.Ingest(ingest_requests(a.corpus, files, a.text or [], a.replace), timeout=a.timeout)
+    requests = _with_upload_bar(ingest_requests(a.corpus, files, texts, a.replace), total_bytes)
+    resp = stub.Ingest(requests, timeout=a.timeout)
     c = resp.corpus
     print(
         f"corpus {c.name}: +{resp.documents_added} documents, +{resp.tokens_added} tokens -> {c.documents} documents, "

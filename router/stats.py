@@ -17,7 +17,6 @@ the total at the latest stamp ``T``, whichever update arrives first, so replicas
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -285,7 +284,6 @@ redis.call('SADD', KEYS[2], KEYS[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return #out / 2
 """
-DECAY_ADD_SHA = hashlib.sha1(DECAY_ADD_LUA.encode()).hexdigest()
 
 
 def redis_key(prefix: str, key: StatsKey) -> str:
@@ -322,16 +320,10 @@ def decay_add_args(stats: AcceptanceStats, t: float, config: StatsConfig) -> lis
 
 
 def decay_add(client, prefix: str, key: StatsKey, stats: AcceptanceStats, t: float, config: StatsConfig) -> None:
-    """One atomic decay-and-add, unbatched (tests, tools). ``client``: a ``redis.Redis``."""
-    import redis
-
-    keys = [redis_key(prefix, key), index_key(prefix)]
-    args = decay_add_args(stats, t, config)
-    try:
-        client.evalsha(DECAY_ADD_SHA, 2, *keys, *args)
-    except redis.exceptions.NoScriptError:
-        client.script_load(DECAY_ADD_LUA)
-        client.evalsha(DECAY_ADD_SHA, 2, *keys, *args)
+    """One atomic decay-and-add, unbatched (tests, tools). ``client``: a ``redis.Redis``; its
+    ``Script`` loads the script when the server lacks it."""
+    script = client.register_script(DECAY_ADD_LUA)
+    script(keys=[redis_key(prefix, key), index_key(prefix)], args=decay_add_args(stats, t, config))
 
 
 class RedisStats:
@@ -355,6 +347,8 @@ class RedisStats:
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
         )
+        # The pipeline checks SCRIPT EXISTS before each flush and loads it if the server lost it.
+        self._decay_add = self._client.register_script(DECAY_ADD_LUA)
         u = urlsplit(config.redis_url)
         self._where = f"{u.hostname}:{u.port or 6379}{u.path or ''}"  # no credentials in logs
         hl = config.half_life_s
@@ -463,25 +457,18 @@ class RedisStats:
             raise error
 
     def _send(self, batch: _Table) -> tuple[list[StatsKey], Exception | None]:
-        """Write every key of ``batch`` in one pipelined round trip (two if the script must be
-        loaded first); returns the keys Redis refused and the first refusal."""
-        import redis
-
+        """Write every key of ``batch`` in one pipeline (redis-py sends a SCRIPT EXISTS first, and a
+        SCRIPT LOAD when the server lost the script); returns the keys Redis refused and the first
+        refusal."""
         prefix = self.config.key_prefix
         keys = list(batch.rows)
-        for attempt in range(2):
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                stats, t = batch.rows[key]
-                args = decay_add_args(stats, t, self.config)
-                pipe.evalsha(DECAY_ADD_SHA, 2, redis_key(prefix, key), index_key(prefix), *args)
-            results = pipe.execute(raise_on_error=False)
-            failed = [(key, r) for key, r in zip(keys, results, strict=True) if isinstance(r, Exception)]
-            if attempt == 0 and failed and all(isinstance(r, redis.exceptions.NoScriptError) for _, r in failed):
-                self._client.script_load(DECAY_ADD_LUA)  # a fresh (or restarted) server: register once
-                keys = [key for key, _ in failed]
-                continue
-            break
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            stats, t = batch.rows[key]
+            args = decay_add_args(stats, t, self.config)
+            self._decay_add(keys=[redis_key(prefix, key), index_key(prefix)], args=args, client=pipe)
+        results = pipe.execute(raise_on_error=False)
+        failed = [(key, r) for key, r in zip(keys, results, strict=True) if isinstance(r, Exception)]
         return [key for key, _ in failed], (failed[0][1] if failed else None)
 
     def _refresh(self) -> None:

@@ -175,24 +175,6 @@ def cpu_name() -> str:
     return f"{name} ({os.cpu_count()} cores)"
 
 
-class Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.t0 = max(total, 1), 0, time.monotonic()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(30 * frac)
-        eta = (time.monotonic() - self.t0) / frac * (1 - frac)
-        sys.stderr.write(f"\r[{bar:<30}] {self.done}/{self.total} {label:<40.40} eta {eta:4.0f} s")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-
-
 def _available(client: Client, modes: list[str], prompt: list[int], corpus: str) -> list[str]:
     """Service modes this verifier serves (a 2-token probe each, which also warms it up)."""
     ok = []
@@ -325,16 +307,20 @@ def main(argv: list[str] | None = None) -> None:
             meta.update(target=a.target, http_server=http_target.owned_by, also_grpc=a.also_grpc)
         set_oracle = oracle.servicer.set_continuation if oracle else None
         runner = BenchRunner(config, targets, hf, set_oracle, a.corrupt or None)
-        progress = Progress(runner.planned_requests(prompts))
+        from tqdm import tqdm  # with transformers ([serve]) and openai ([bench]); on stderr
+
         records = []
-        with (out_dir / "records.jsonl").open("w") as f:
+        with (
+            (out_dir / "records.jsonl").open("w") as f,
+            tqdm(total=runner.planned_requests(prompts), desc="bench", unit="req") as progress,
+        ):
             for rec in runner.run(prompts):
                 rec.update(meta)
                 f.write(json.dumps(rec) + "\n")
                 records.append(rec)
                 via = f" {rec['transport']}" if len(targets) > 1 and "transport" in rec else ""
-                progress.step(f"{rec['category']} {rec['mode']}{via} c={rec['concurrency']}")
-        progress.close()
+                progress.set_postfix_str(f"{rec['category']} {rec['mode']}{via} c={rec['concurrency']}", refresh=False)
+                progress.update()
 
     main_records = primary(records)  # with --also-grpc, the gRPC side only feeds the comparison
     rows = summarize(main_records)

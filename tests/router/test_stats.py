@@ -241,3 +241,27 @@ def test_redis_down_at_start_then_killed_and_restarted_never_raises_and_resumes(
             reader.close()
     finally:
         stats.close()
+
+
+@pytest.mark.slow  # starts a redis-server process; SCRIPT FLUSH must not touch the shared server
+def test_writes_still_land_after_script_flush_empties_the_servers_script_cache(throwaway_redis, clock):
+    from specmesh.deploy import free_port
+
+    port = free_port()
+    throwaway_redis.start(port)
+    url = f"redis://127.0.0.1:{port}/0"
+    cfg = StatsConfig(redis_url=url, key_prefix="specmesh-test:noscript", flush_interval_s=60.0)
+    client = redis.Redis(port=port, decode_responses=True)
+    stats = RedisStats(cfg, clock)
+    try:
+        stats.record(NGRAM, step(3))
+        assert stats.sync()
+        client.script_flush()
+        stats.record(NGRAM, step(3))
+        assert stats.sync() and stats.status().connected  # the batched path reloaded the script
+        client.script_flush()
+        decay_add(client, cfg.key_prefix, NGRAM, AcceptanceStats(steps=1.0), clock(), cfg)  # so did the unbatched one
+        assert float(client.hget(redis_key(cfg.key_prefix, NGRAM), "steps")) == 3.0
+    finally:
+        stats.close()
+        client.close()
