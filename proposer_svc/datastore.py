@@ -66,7 +66,7 @@ def default_data_dir() -> Path:
     """$SPECMESH_RAG_DATA_DIR, else <specmesh cache dir>/rag."""
     if env := os.environ.get("SPECMESH_RAG_DATA_DIR"):
         return Path(env).expanduser()
-    from specmesh.server.model_loading import cache_dir
+    from specmesh.paths import cache_dir
 
     return cache_dir() / "rag"
 

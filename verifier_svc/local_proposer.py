@@ -35,7 +35,7 @@ def inprocess_kind(address: str) -> str | None:
 
 
 class LocalProposerSession:
-    """Duck-types ``ProposerSession`` (take/has_tree_for/advance/fail/close) for the engine."""
+    """The n-gram proposer as a ``speculation.ProposerSession``, computed on the engine thread."""
 
     def __init__(self, name: str, prompt: list[int], limits: ProposerLimits, arrived: threading.Condition) -> None:
         self.name, self.limits = name, limits

@@ -14,11 +14,15 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from specmesh.server.tree import InvalidTree, TokenTree, rebase, validate_tree
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+
+if TYPE_CHECKING:
+    from verifier_svc.speculation import ProposerSession
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,9 @@ class ProposerLimits:
     max_depth: int
 
 
-class ProposerSession:
+class GrpcProposerSession:
+    """One request's ``Propose`` stream (a ``speculation.ProposerSession``)."""
+
     def __init__(
         self,
         name: str,

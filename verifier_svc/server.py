@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
@@ -30,16 +30,17 @@ from specmesh_router.selection import Router, SelectionConfig
 from specmesh_router.stats import StatsBackend, StatsConfig, open_stats
 from verifier_svc.config import VerifierConfig, parse_args
 from verifier_svc.engine import Engine, EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent
-from verifier_svc.local_proposer import LocalProposerSession, inprocess_kind
+from verifier_svc.local_proposer import inprocess_kind
 from verifier_svc.logprobs import TokenLogprob
-from verifier_svc.proposer_client import ProposerLimits, ProposerSession
+from verifier_svc.proposer_client import GrpcProposerSession
 from verifier_svc.requests import (
-    GenerationRequest,
     InvalidRequest,
     ProposerNotConfigured,
     RequestLimits,
     build_request,
 )
+from verifier_svc.sessions import ProposerTiers, SessionOpener
+from verifier_svc.speculation import cap_of
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +57,6 @@ _MODE_TO_PB = {
 _PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
 
 
-DEFAULT_TREE_NODES = 32
-DEFAULT_TREE_DEPTH = 24
-
-
-@dataclass(frozen=True)
-class ProposerTiers:
-    """How the verifier reaches each configured proposer."""
-
-    stubs: dict[str, proposer_pb2_grpc.ProposerServiceStub]  # gRPC services (dns:/// balances replicas)
-    local: tuple[str, ...] = ()  # served in this process (verifier_svc/local_proposer.py)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.stubs or name in self.local
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(
         self,
@@ -78,16 +64,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         tokenizer: object,
         limits: RequestLimits,
         router: Router,
-        tiers: ProposerTiers,
-        vocab: proposer_pb2.VocabIdentity,
-        model_name: str,
-        loop: asyncio.AbstractEventLoop,
+        sessions: SessionOpener,
         metrics: VerifierMetrics | None = None,
         router_caps: bool = True,
     ) -> None:
         self.engine, self.tokenizer, self.limits, self.router = engine, tokenizer, limits, router
-        self.tiers, self.vocab, self.model_name, self.loop = tiers, vocab, model_name, loop
-        self.metrics = metrics
+        self.sessions, self.metrics = sessions, metrics
         self.router_caps = router_caps  # False (--spec-gating always): the router picks proposers, not k
         # A token's text on its own, for logprobs; cached (bounded by the vocabulary) since it repeats.
         self.token_text = functools.lru_cache(maxsize=65536)(
@@ -107,40 +89,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             )
             for tok, lp in zip(token_ids, logprobs, strict=True)
         ]
-
-    def open_session(
-        self, req: GenerationRequest, proposer: str, context: list[int] | None = None
-    ) -> ProposerSession | LocalProposerSession | None:
-        """A proposer stream for ``req`` starting at ``context`` (default: the prompt). Any thread:
-        the engine opens one lazily when the router switches a request's proposer."""
-        if proposer not in self.tiers:
-            return None
-        policy = self.router.policy.get()
-        nodes = req.spec.max_tree_nodes or policy.max_tree_nodes or DEFAULT_TREE_NODES
-        depth = req.spec.num_speculative_tokens or policy.num_speculative_tokens or DEFAULT_TREE_DEPTH
-        if policy.num_speculative_tokens:
-            depth = min(depth, policy.num_speculative_tokens)
-        nodes = min(nodes, self.limits.max_tree_nodes)
-        context = list(req.prompt_ids) if context is None else context
-        limits = ProposerLimits(vocab_size=self.limits.vocab_size, max_nodes=nodes, max_depth=depth)
-        if proposer in self.tiers.local:
-            return LocalProposerSession(proposer, context, limits, self.engine.trees_arrived)
-        start = proposer_pb2.ProposeStart(
-            request_id=req.request_id,
-            prompt_token_ids=context,
-            budget=proposer_pb2.TreeBudget(max_nodes=nodes, max_depth=depth),
-            sampling=proposer_pb2.ProposalSampling(
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed
-            ),
-            vocab=self.vocab,
-            target_model=self.model_name,
-            workload_tag=req.spec.workload_tag,
-            corpus=req.spec.corpus,
-        )
-        stub = self.tiers.stubs[proposer]
-        session = ProposerSession(proposer, stub, self.loop, start, limits, self.engine.trees_arrived)
-        self.loop.call_soon_threadsafe(session.open)
-        return session
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -166,8 +114,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         why_plain = d.reason if d.proposer == "none" and spec.proposer != "none" else ""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        session = self.open_session(req, d.proposer)
-        if isinstance(session, ProposerSession) and spec.proposer == d.proposer:  # named by the client
+        session = self.sessions.open(req, d.proposer)
+        if isinstance(session, GrpcProposerSession) and spec.proposer == d.proposer:  # named by the client
             with contextlib.suppress(TimeoutError):  # one proposer round trip (~1 ms); slow → no wait
                 await asyncio.wait_for(asyncio.shield(session.first_reply), timeout=0.5)
             if session.refused is not None:
@@ -182,7 +130,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 req,
                 lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                 session,
-                k_cap=d.k if self.router_caps else -1,
+                k_cap=cap_of(d.k) if self.router_caps else None,
                 prior_alpha=prior,
             )
         except (EngineFull, EngineStopped) as exc:
@@ -217,7 +165,7 @@ def _summary(ev: FinishEvent, fallback_reason: str) -> generation_pb2.Generation
     emitted_after_prefill = max(ev.completion_tokens - 1, 0)
     spec = ev.spec
     per_proposer = {
-        name: params_pb2.ProposerMetrics(steps=c[0], drafted_tokens=c[1], accepted_tokens=c[2])
+        name: params_pb2.ProposerMetrics(steps=c.steps, drafted_tokens=c.drafted, accepted_tokens=c.accepted)
         for name, c in spec.per_proposer.items()
     }
     return generation_pb2.GenerationSummary(
@@ -407,6 +355,10 @@ async def run(config: VerifierConfig) -> None:
         tokenizer_hash=tokenizer_hash(lm.tokenizer),
         eos_token_ids=sorted(eos_token_ids(lm.model, lm.tokenizer)),
     )
+    arrived = threading.Condition()  # proposer sessions notify the engine thread when a tree lands
+    sessions = SessionOpener(
+        tiers, policy, vocab, lm.name, asyncio.get_running_loop(), arrived, limits.max_tree_nodes, runner.vocab_size
+    )
     engine = Engine(
         runner,
         lm.tokenizer,
@@ -416,22 +368,14 @@ async def run(config: VerifierConfig) -> None:
         step_cost,
         router=router,
         metrics=metrics,
+        open_session=sessions.open,
+        trees_arrived=arrived,
     )
     metrics.track_queue(engine.counts)
     REGISTRY.register(RouterStatsCollector(stats, model=lm.name))
     generation = GenerationServicer(
-        engine,
-        lm.tokenizer,
-        limits,
-        router,
-        tiers,
-        vocab,
-        lm.name,
-        asyncio.get_running_loop(),
-        metrics,
-        router_caps=step_cost is not None,
+        engine, lm.tokenizer, limits, router, sessions, metrics, router_caps=step_cost is not None
     )
-    engine.open_session = generation.open_session
     engine.start()
     server = new_server()
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specmesh.paths import cache_dir
+
 if TYPE_CHECKING:
     import torch
 
@@ -42,14 +44,6 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $SPECMESH_CACHE_DIR, else $XDG_CACHE_HOME/specmesh."""
-    if env := os.environ.get("SPECMESH_CACHE_DIR"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "specmesh"
 
 
 def default_gguf_path() -> Path:

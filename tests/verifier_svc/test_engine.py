@@ -102,7 +102,7 @@ def test_admission_limit_raises_and_stop_strings_end_generation(chat_ids, engine
 
 
 def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_skipped_trees(lm, chat_ids, hf_greedy):
-    """k_cap 0 and a poor prior (the router's "off"): the skipped n-gram trees keep guessing the
+    """No cap and a poor prior (the router's "off"): the skipped n-gram trees keep guessing the
     emitted tokens, so the request's own estimate rises and the cost gate verifies trees again."""
     from specmesh_router.cost_model import LiveStepCost, StepCost
     from verifier_svc.local_proposer import LocalProposerSession
@@ -121,7 +121,7 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
         spec = SpecRequest("ngram", 0, 0, "", "")
         req = GenerationRequest("r", ids, max_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(),
                                 ignore_eos=True, spec=spec)  # fmt: skip
-        eng.submit(req, got, session, k_cap=0, prior_alpha=0.05)
+        eng.submit(req, got, session, k_cap=None, prior_alpha=0.05)
         assert got.done.wait(300)
     finally:
         eng.shutdown()

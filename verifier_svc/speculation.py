@@ -1,0 +1,371 @@
+"""Per-request speculation control: which tree each running request verifies this step.
+
+The engine asks once per decode step (:meth:`SpeculationControl.collect_trees`) and reports what
+each step accepted (:meth:`SpeculationControl.after_step`). In between, per request:
+
+- the proposer stream (a :class:`ProposerSession`: a gRPC stream or an in-process proposer);
+- its own per-token acceptance estimate α, seeded by the router's shared statistics and fed by
+  every verified tree and by every skipped tree scored against the tokens emitted after it;
+- the cost gate: trees are cut to the batch's best width by the measured step cost (maybe to
+  nothing: plain decoding this step), from α;
+- every ``redecide_steps`` steps the router revisits the proposer and k (a new stream opens).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from specmesh.server.tree import TokenTree, depths, follow, truncate
+from specmesh_router.cost_model import LiveStepCost, choose_width
+from specmesh_router.stats import AcceptanceStats
+from verifier_svc.proposer_client import ProposerLimits, wait_for_trees
+from verifier_svc.requests import GenerationRequest
+
+if TYPE_CHECKING:
+    from specmesh.server.metrics import VerifierMetrics
+    from specmesh_router.selection import Router
+    from verifier_svc.engine import EngineStats, _Sequence
+
+log = logging.getLogger(__name__)
+EMPTY_TREE = TokenTree([], [])
+_EWMA = 0.3  # weight of the newest step in a request's acceptance estimate
+
+
+class ProposerSession(Protocol):
+    """One request's proposer, as the engine thread sees it: trees in, accepted tokens out.
+
+    Implemented by the gRPC stream (``proposer_client.GrpcProposerSession``) and the in-process
+    n-gram proposer (``local_proposer.LocalProposerSession``).
+    """
+
+    name: str
+    limits: ProposerLimits
+    failed: str | None  # why the stream failed; None while it works
+    invalid_trees: int
+    last_response: float  # perf_counter of its last answer (liveness)
+
+    def take(self, context_length: int, recent: list[int] | None = None) -> TokenTree | None: ...
+
+    def has_tree_for(self, context_length: int) -> bool: ...
+
+    def advance(self, tokens: list[int]) -> None: ...
+
+    def fail(self, reason: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# (request, proposer name, context) → a new stream, or None where that proposer is not configured.
+SessionFactory = Callable[[GenerationRequest, str, list[int]], ProposerSession | None]
+
+
+@dataclass
+class ProposerCounts:
+    steps: int = 0  # verification steps that carried this proposer's tree
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class SpecCounters:
+    """Speculation counters of one request (live on the sequence, final in FinishEvent)."""
+
+    proposer: str = "none"
+    steps: int = 0  # verification steps that carried a tree
+    drafted: int = 0
+    accepted: int = 0
+    wait_s: float = 0.0  # waiting for proposals
+    invalid_trees: int = 0
+    fallback_reason: str = ""
+    accepted_hist: list[int] = field(default_factory=list)  # [k] = steps that accepted k draft tokens
+    per_proposer: dict[str, ProposerCounts] = field(default_factory=dict)
+
+    def count_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        c = self.per_proposer.setdefault(self.proposer, ProposerCounts())
+        c.steps, c.drafted, c.accepted = c.steps + 1, c.drafted + drafted, c.accepted + accepted
+        if len(self.accepted_hist) <= accepted:
+            self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
+        self.accepted_hist[accepted] += 1
+
+
+@dataclass
+class Shadow:
+    """A tree the gate skipped, walked along the tokens emitted after it."""
+
+    tree: TokenTree
+    node: int = 0  # the walk's current node (-1: the root)
+    matched: int = 0  # levels matched so far
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its proposer stream, counters and acceptance estimate.
+
+    Per-token acceptance rate α = successes / trials (both EWMAs): a drafted level counts a
+    success when accepted, a trial also when the path stopped there; a path accepted to the end of
+    a cut tree is censored (no failure counted), so cutting trees never biases α down.
+    """
+
+    session: ProposerSession | None = None
+    counters: SpecCounters = field(default_factory=SpecCounters)
+    last_tree: float = 0.0  # perf_counter of the last tree taken (liveness)
+    accept_s: float = 1.0  # prior α = 0.5
+    accept_t: float = 2.0
+    shadow: Shadow | None = None
+    k_cap: int | None = None  # the router's draft tokens per step; None: no cap
+    failed_proposers: set[str] = field(default_factory=set)
+
+    @classmethod
+    def start(cls, session: ProposerSession | None, k_cap: int | None, prior_alpha: float | None) -> SpecState:
+        """``prior_alpha``: the proposer's per-token acceptance from the shared statistics, worth 2
+        trials: where the router says speculation does not pay, it starts low and the cost gate
+        decodes plainly until the trees the request skips prove it wrong."""
+        state = cls(session=session, counters=SpecCounters(proposer=session.name if session else "none"), k_cap=k_cap)
+        if session is not None:
+            state.counters.per_proposer[session.name] = ProposerCounts()
+        if prior_alpha is not None:
+            state.seed(prior_alpha)
+        return state
+
+    def seed(self, alpha: float) -> None:
+        self.accept_s, self.accept_t = 2.0 * alpha, 2.0
+
+    @property
+    def alpha(self) -> float:
+        return min(self.accept_s / self.accept_t, 0.99)
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        """``accepted`` levels were (or would have been) taken; ``rejected``: the walk stopped at a
+        node that had children (a failure), not at a leaf (censored)."""
+        self.accept_s += _EWMA * (accepted - self.accept_s)
+        self.accept_t += _EWMA * (accepted + rejected - self.accept_t)
+
+    def follow_shadow(self, emitted: list[int]) -> AcceptanceStats | None:
+        """Walk the skipped tree along the emitted tokens. Each step's matched levels update α at
+        once (censored while the walk goes on), so a request whose skipped trees keep guessing right
+        turns speculation on within a few steps; once decided, the whole tree is returned as one
+        sample for the router's statistics."""
+        shadow = self.shadow
+        assert shadow is not None
+        node, levels, rejected = follow(shadow.tree, shadow.node, emitted)
+        self.observe(levels, bool(rejected))
+        if rejected is None:
+            shadow.node, shadow.matched = node, shadow.matched + levels
+            return None
+        self.shadow = None
+        return AcceptanceStats.of_step(len(shadow.tree), shadow.matched + levels, rejected)
+
+
+def expected_by_width(alpha: float, parents: list[int]) -> list[float]:
+    """Expected accepted tokens when a tree is cut to its first w - 1 nodes, for each w: a geometric
+    model with per-token rate α, α(1 − α^depth) / (1 − α) for the depth the cut tree reaches.
+
+    >>> [round(e, 2) for e in expected_by_width(0.5, [-1, 0, -1])]  # a chain of 2 and a sibling
+    [0.0, 0.5, 0.75, 0.75]
+    """
+    reach, e = 0, [0.0]
+    for d in depths(parents):
+        reach = max(reach, d)
+        e.append(alpha * (1 - alpha**reach) / (1 - alpha))
+    return e
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    proposer_wait_ms: float = 5.0  # per step, the longest wait for a request's tree
+    proposer_timeout_s: float = 2.0  # no answer for this long → speculation off for the request
+    redecide_steps: int = 16  # the router revisits a request's proposer and k this often (steps)
+    recent_tokens: int = 32  # how far a late tree may be re-rooted (greedy requests)
+
+
+class SpeculationControl:
+    """The engine thread's per-step speculation decisions for every running request."""
+
+    def __init__(
+        self,
+        config: SpeculationConfig,
+        stats: EngineStats,
+        trees_arrived: threading.Condition,
+        step_cost: LiveStepCost | None = None,
+        router: Router | None = None,
+        metrics: VerifierMetrics | None = None,
+        open_session: SessionFactory | None = None,
+    ) -> None:
+        self.config, self.stats, self.trees_arrived = config, stats, trees_arrived
+        self.step_cost = step_cost  # None: verify every tree; else speculate only where it pays
+        self.router, self.metrics, self.open_session = router, metrics, open_session
+        self.last_wait = 0.0  # seconds this step waited for trees
+
+    # --- before the forward -----------------------------------------------------------------
+    def collect_trees(self, seqs: list[_Sequence], max_context: int) -> list[TokenTree]:
+        """Each request's tree for its current context; waits at most ``proposer_wait_ms`` for all."""
+        for seq in seqs:
+            if seq.spec.session is not None and seq.spec.session.failed is not None:
+                self.drop_session(seq, seq.spec.session.failed)
+        # Wait for trees only where speculation may pay this step (by the cost model); others use
+        # a tree only if it is already there (it still feeds the acceptance estimate).
+        promising = [s for s in seqs if s.spec.session is not None]
+        if self.step_cost is not None and promising:
+            chains = [  # as if every live proposer sent a full chain
+                expected_by_width(s.spec.alpha, list(range(-1, s.spec.session.limits.max_depth - 1)))
+                if s.spec.session
+                else [0.0]
+                for s in seqs
+            ]
+            if choose_width(chains, self.step_cost) == 1:
+                promising = []
+        wanted = [(s.spec.session, s.context_length) for s in promising]
+        waited = wait_for_trees(self.trees_arrived, wanted, self.config.proposer_wait_ms / 1e3) if wanted else 0.0
+        self.last_wait = waited
+        now = time.perf_counter()
+        trees = []
+        for seq in seqs:
+            tree, spec = None, seq.spec
+            if spec.session is not None:
+                spec.counters.wait_s += waited
+                recent = seq.output[-self.config.recent_tokens :] if seq.req.temperature == 0 else None
+                tree = spec.session.take(seq.context_length, recent)
+                if tree is not None:
+                    spec.last_tree = now
+                    # The router's k caps the tree; whether to speculate at all is the cost gate's call,
+                    # from the request's own acceptance (which skipped trees keep scoring).
+                    if spec.k_cap is not None and spec.k_cap < len(tree):
+                        tree = truncate(tree, spec.k_cap)
+                elif now - max(spec.last_tree, spec.session.last_response) > self.config.proposer_timeout_s:
+                    self.drop_session(
+                        seq,
+                        f"proposer {spec.counters.proposer!r} answered nothing for {self.config.proposer_timeout_s} s",
+                    )
+            if tree is None or seq.length + 1 + len(tree) > max_context:
+                tree = EMPTY_TREE
+            trees.append(tree)
+        if self.step_cost is not None and any(trees):
+            trees = self._gate(seqs, trees)
+        return trees
+
+    def _gate(self, seqs: list[_Sequence], trees: list[TokenTree]) -> list[TokenTree]:
+        """Cut every tree to the batch's best step width (maybe 1: no speculation this step)."""
+        expected = [expected_by_width(seq.spec.alpha, tree.parents) for seq, tree in zip(seqs, trees, strict=True)]
+        width = choose_width(expected, self.step_cost)
+        out = []
+        for seq, tree in zip(seqs, trees, strict=True):
+            if len(tree) > width - 1:
+                if width == 1 and seq.spec.shadow is None:
+                    seq.spec.shadow = Shadow(tree)
+                tree = truncate(tree, width - 1)
+            out.append(tree)
+        return out
+
+    # --- after the forward ------------------------------------------------------------------
+    def after_step(
+        self, seqs: list[_Sequence], trees: list[TokenTree], results: list[tuple[list[int], int]]
+    ) -> list[list[int]]:
+        """Count and learn from what each request accepted; returns each request's emitted tokens
+        (accepted nodes + bonus). Records the step's acceptance once per (proposer, tag)."""
+        samples: dict[tuple[str, str], AcceptanceStats] = {}  # per (proposer, tag): one record per step
+        verified: dict[str, AcceptanceStats] = {}
+
+        def add(into: dict[Any, AcceptanceStats], key: Any, sample: AcceptanceStats) -> None:
+            into[key] = into[key] + sample if key in into else sample
+
+        emitted_all = []
+        for seq, tree, (path, bonus) in zip(seqs, trees, results, strict=True):
+            spec, tag = seq.spec, seq.req.spec.workload_tag
+            if len(tree):
+                spec.counters.count_step(len(tree), len(path))
+                self.stats.drafted_tokens += len(tree)
+                self.stats.accepted_tokens += len(path)
+                last = path[-1] if path else -1
+                rejected = last in tree.parents
+                spec.observe(len(path), rejected)
+                spec.shadow = None
+                sample = AcceptanceStats.of_step(len(tree), len(path), rejected, self.last_wait)
+                add(samples, (spec.counters.proposer, tag), sample)
+                add(verified, spec.counters.proposer, sample)
+            emitted = [tree.tokens[k] for k in path] + [bonus]
+            if spec.shadow is not None and not len(tree):
+                shadow = spec.follow_shadow(emitted)
+                if shadow is not None:
+                    add(samples, (spec.counters.proposer, tag), shadow)
+            emitted_all.append(emitted)
+        if self.router is not None:
+            for (proposer, tag), sample in samples.items():
+                self.router.record(proposer, tag, sample)
+        if self.metrics is not None:
+            for proposer, s in verified.items():
+                self.metrics.speculation(proposer, int(s.steps), int(s.drafted), int(s.accepted), s.hits, s.trials)
+        return emitted_all
+
+    def redecide_due(self, seqs: list[_Sequence]) -> None:
+        """Every ``redecide_steps`` steps of a request, the router revisits its proposer and k."""
+        if self.router is None:
+            return
+        for seq in seqs:
+            if not seq.done and seq.req.spec.proposer != "none" and seq.steps % self.config.redecide_steps == 0:
+                self._redecide(seq, len(seqs))
+
+    def _redecide(self, seq: _Sequence, batch: int) -> None:
+        """A new proposer's stream starts lazily; its prior α comes from the shared statistics."""
+        spec, state = seq.req.spec, seq.spec
+        current = state.counters.proposer if state.session is not None else None
+        d = self.router.decide(
+            spec.proposer, spec.workload_tag, spec.num_speculative_tokens, batch, current, spec.unservable
+        )
+        if self.metrics is not None:
+            self.metrics.decision(d.proposer, d.speculate)
+        state.k_cap = cap_of(d.k) if self.step_cost is not None else None  # --spec-gating always: no cap
+        if d.proposer in ("none", current) or d.proposer in state.failed_proposers or self.open_session is None:
+            return
+        new = self.open_session(seq.req, d.proposer, [*seq.req.prompt_ids, *seq.output])
+        if new is None:
+            return
+        self.end_session(seq)
+        log.info("request %s: proposer %s → %s", seq.req.request_id, current or "none", d.proposer)
+        state.session, state.counters.proposer = new, d.proposer
+        state.counters.per_proposer.setdefault(d.proposer, ProposerCounts())
+        state.last_tree, state.shadow = time.perf_counter(), None
+        state.seed(self.router.mean_alpha(d.proposer, spec.workload_tag))
+
+    # --- session lifecycle ------------------------------------------------------------------
+    def drop_session(self, seq: _Sequence, reason: str) -> None:
+        """The proposer failed the request: plain decoding from now on, and why."""
+        state = seq.spec
+        state.counters.fallback_reason = reason
+        if state.session is not None:
+            self.stats.proposer_fallbacks += 1
+            state.failed_proposers.add(state.session.name)
+            if self.metrics is not None:
+                self.metrics.fallback(state.session.name, reason)
+        self.end_session(seq, reason)
+
+    def end_session(self, seq: _Sequence, failure: str | None = None) -> None:
+        """Close (or fail) the request's proposer stream, counting its invalid trees once."""
+        state = seq.spec
+        session, state.session = state.session, None
+        if session is None:
+            return
+        state.counters.invalid_trees += session.invalid_trees
+        self.stats.invalid_trees += session.invalid_trees
+        if self.metrics is not None:
+            self.metrics.invalid_tree(session.name, session.invalid_trees)
+        if failure is None:
+            session.close()
+        else:
+            session.fail(failure)
+
+
+def cap_of(k: int) -> int | None:
+    """The router's k as a tree cap: ≤ 0 is no cap (its "off" acts through the prior α instead).
+
+    >>> cap_of(8), cap_of(0)
+    (8, None)
+    """
+    return k if k > 0 else None
