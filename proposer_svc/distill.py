@@ -203,18 +203,45 @@ def top1_agreement(teacher: Any, student: Any, texts: list[list[int]]) -> float:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specmesh draft", description="Draft models for the draft proposer.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("distill", help="train a small draft from the target (CPU, minutes)")
-    d.add_argument("--model", default=None, help="target: HF folder or .gguf (default SmolLM2-135M-Instruct)")
-    d.add_argument("--layers", type=int, default=DistillConfig.layers, help="target decoder layers kept")
-    d.add_argument("--minutes", type=float, default=DistillConfig.minutes, help="wall-clock training budget")
-    d.add_argument("--out", required=True, help="output HF folder (for `specmesh serve draft --model`)")
-    d.add_argument("--seq-len", type=int, default=DistillConfig.seq_len)
-    d.add_argument("--batch", type=int, default=DistillConfig.batch)
-    d.add_argument("--lr", type=float, default=DistillConfig.lr)
-    d.add_argument("--generate-fraction", type=float, default=DistillConfig.generate_fraction)
-    d.add_argument("--threads", type=int, default=DistillConfig.threads)
-    d.add_argument("--seed", type=int, default=DistillConfig.seed)
-    return p.parse_args(argv)
+    d = sub.add_parser(
+        "distill",
+        help="train a small draft from the target (CPU, minutes)",
+        description="Train a few-layer draft from the target: its embeddings and head frozen, KL to its top-64.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    c = DistillConfig()
+    d.add_argument("--model", default=None, help="target: HF folder or .gguf; unset: SmolLM2-135M-Instruct")
+    d.add_argument("--layers", type=int, default=c.layers, help="target decoder layers kept")
+    d.add_argument("--minutes", type=float, default=c.minutes, help="wall-clock training budget")
+    d.add_argument(
+        "--out", required=True, default=argparse.SUPPRESS, help="output HF folder (for `specmesh serve draft --model`)"
+    )
+    d.add_argument("--seq-len", type=int, default=c.seq_len, help="tokens per training sequence")
+    d.add_argument("--batch", type=int, default=c.batch, help="sequences per step")
+    d.add_argument("--lr", type=float, default=c.lr, help="AdamW learning rate")
+    d.add_argument(
+        "--generate-fraction",
+        type=float,
+        default=c.generate_fraction,
+        help="share of the time budget spent generating the target's answers",
+    )
+    d.add_argument("--threads", type=int, default=c.threads, help="torch threads")
+    d.add_argument("--seed", type=int, default=c.seed, help="data order and initialisation")
+    a = p.parse_args(argv)
+    for flag, value, low in (
+        ("--layers", a.layers, 1),
+        ("--minutes", a.minutes, 0),
+        ("--seq-len", a.seq_len, 2),
+        ("--batch", a.batch, 1),
+        ("--lr", a.lr, 0),
+        ("--generate-fraction", a.generate_fraction, 0),
+        ("--threads", a.threads, 1),
+    ):
+        if value < low:
+            d.error(f"{flag} must be >= {low}, got {value}")
+    if a.generate_fraction >= 1:
+        d.error(f"--generate-fraction must be < 1, got {a.generate_fraction}")
+    return a
 
 
 def main(argv: list[str] | None = None) -> None:

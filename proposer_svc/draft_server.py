@@ -9,57 +9,41 @@ independent of the target's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import itertools
 import logging
-import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from proposer_svc.server import add_metrics_flag
+from proposer_svc.process import ServingConfig, add_serving_flags, serve_proposer, serving_config
+from proposer_svc.stream import Deliver, Opener, ProposeStream, StreamConfig
+from specmesh.server.flags import ServiceFlags, at_least
 from specmesh.server.metrics import ProposerMetrics
 from specmesh.server.packed_linear import add_linears_flag
-from specmesh.server.serving import new_server, serve
-from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+from specmesh.server.serving import new_server
+from specmesh.v1 import proposer_pb2
+
+if TYPE_CHECKING:
+    from proposer_svc.draft import DraftConfig
 
 log = logging.getLogger(__name__)
-
-
-def vocab_mismatch(draft: proposer_pb2.VocabIdentity, target: proposer_pb2.VocabIdentity) -> str:
-    """Why this draft cannot propose for that target ('' when it can); an empty target field is not checked.
-
-    >>> d = proposer_pb2.VocabIdentity(vocab_size=10, tokenizer_hash="ab")
-    >>> vocab_mismatch(d, proposer_pb2.VocabIdentity(vocab_size=10, tokenizer_hash="ab"))
-    ''
-    >>> vocab_mismatch(d, proposer_pb2.VocabIdentity(vocab_size=12, tokenizer_hash="cd"))
-    "draft vocabulary size 10 != target's 12; draft tokenizer hash 'ab' != target's 'cd'"
-    """
-    problems = []
-    if target.vocab_size and draft.vocab_size != target.vocab_size:
-        problems.append(f"draft vocabulary size {draft.vocab_size} != target's {target.vocab_size}")
-    if target.tokenizer_hash and draft.tokenizer_hash != target.tokenizer_hash:
-        problems.append(f"draft tokenizer hash {draft.tokenizer_hash!r} != target's {target.tokenizer_hash!r}")
-    return "; ".join(problems)
 
 
 @dataclass
 class _Open:
     key: int
     state: Any  # RequestState
-    deliver: Callable[[proposer_pb2.ProposeResponse | None], None]
+    deliver: Deliver
 
 
 @dataclass
 class _Advance:
     key: int
     tokens: list[int]
-    budget: proposer_pb2.TreeBudget | None
+    budget: proposer_pb2.TreeBudget  # the stream's, already within this proposer's limits
 
 
 @dataclass
@@ -74,8 +58,8 @@ class DraftLoop:
         self.drafter, self.metrics = drafter, metrics
         self._inbox: queue.SimpleQueue[_Open | _Advance | _Close | None] = queue.SimpleQueue()
         self._states: list[Any] = []  # index = slot
-        self._by_key: dict[int, tuple[Any, Callable]] = {}
-        self._deliver_to: dict[int, Callable] = {}  # id(state) → its stream's deliver
+        self._by_key: dict[int, tuple[Any, Deliver]] = {}
+        self._deliver_to: dict[int, Deliver] = {}  # id(state) → its stream's deliver
         self._thread = threading.Thread(target=self._run, name="draft-loop", daemon=True)
         self.proposals = 0
         self.propose_s = 0.0
@@ -129,9 +113,8 @@ class DraftLoop:
                 return
             state = got[0]
             state.advance(ev.tokens, self.drafter.runner.cache)
-            if ev.budget is not None:
-                state.max_nodes = ev.budget.max_nodes or state.max_nodes
-                state.max_depth = ev.budget.max_depth or state.max_depth
+            state.max_nodes = ev.budget.max_nodes or state.max_nodes
+            state.max_depth = ev.budget.max_depth or state.max_depth
         else:
             got = self._by_key.pop(ev.key, None)
             if got is None:
@@ -187,145 +170,144 @@ class DraftLoop:
             deliver(resp)
 
 
-class DraftServicer(proposer_pb2_grpc.ProposerServiceServicer):
-    def __init__(
-        self,
-        loop: DraftLoop,
-        identity: proposer_pb2.VocabIdentity,
-        max_nodes: int,
-        max_depth: int,
-        metrics: ProposerMetrics | None = None,
-    ) -> None:
-        self.loop, self.identity, self.metrics = loop, identity, metrics
-        self.max_nodes, self.max_depth = max_nodes, max_depth
-        self._keys = iter(range(1 << 62))
+class DraftStream:
+    """One stream's ``ProposalCore``: queues its events for the loop, which delivers the trees."""
 
-    def _bad_tokens(self, tokens: list[int]) -> str:
-        bad = next((t for t in tokens if not 0 <= t < self.identity.vocab_size), None)
-        return "" if bad is None else f"token id {bad} outside the draft vocabulary [0, {self.identity.vocab_size})"
+    def __init__(self, loop: DraftLoop, key: int, start: proposer_pb2.ProposeStart, deliver: Deliver) -> None:
+        self.loop, self.key, self.start_msg, self.deliver = loop, key, start, deliver
 
-    async def Propose(
-        self, request_iterator: AsyncIterator[proposer_pb2.ProposeRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[proposer_pb2.ProposeResponse]:
+    def start(self, prompt: list[int], budget: proposer_pb2.TreeBudget) -> None:
         from proposer_svc.draft import RequestState
 
-        requests = request_iterator.__aiter__()
-        try:
-            first = await requests.__anext__()
-        except StopAsyncIteration:
-            return
-        if first.WhichOneof("event") != "start":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the first message must be start")
-        start = first.start
-        if problem := vocab_mismatch(self.identity, start.vocab):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"draft refused: {problem}")
-        if not start.prompt_token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt_token_ids: empty")
-        if problem := self._bad_tokens(list(start.prompt_token_ids)):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"start.prompt_token_ids: {problem}")
-        s = start.sampling
+        start, s = self.start_msg, self.start_msg.sampling
         state = RequestState(
             request_id=start.request_id,
-            context=list(start.prompt_token_ids),
-            max_nodes=min(start.budget.max_nodes or self.max_nodes, self.max_nodes),
-            max_depth=min(start.budget.max_depth or self.max_depth, self.max_depth),
+            context=prompt,
+            max_nodes=budget.max_nodes,
+            max_depth=budget.max_depth,
             temperature=s.temperature,
             top_p=s.top_p if 0 < s.top_p <= 1 else 1.0,
             top_k=max(s.top_k, 0),
             seed=s.seed,
         )
-        aio_loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue[proposer_pb2.ProposeResponse | tuple[grpc.StatusCode, str] | None] = asyncio.Queue()
-        key = next(self._keys)
-        self.loop.submit(_Open(key, state, lambda r: aio_loop.call_soon_threadsafe(outbox.put_nowait, r)))
+        self.loop.submit(_Open(self.key, state, self.deliver))
 
-        async def read() -> None:
-            try:
-                async for msg in requests:
-                    kind = msg.WhichOneof("event")
-                    if kind == "advance":
-                        tokens = list(msg.advance.accepted_token_ids)
-                        if problem := self._bad_tokens(tokens):
-                            outbox.put_nowait((grpc.StatusCode.INVALID_ARGUMENT, f"advance: {problem}"))
-                            return
-                        budget = msg.advance.budget if msg.advance.HasField("budget") else None
-                        self.loop.submit(_Advance(key, tokens, budget))
-                    elif kind == "start":
-                        outbox.put_nowait((grpc.StatusCode.FAILED_PRECONDITION, "start: stream already started"))
-                        return
-                    else:
-                        break
-                outbox.put_nowait(None)
-            except (asyncio.CancelledError, grpc.RpcError):
-                outbox.put_nowait(None)
+    def advance(self, tokens: list[int], budget: proposer_pb2.TreeBudget) -> None:
+        self.loop.submit(_Advance(self.key, tokens, budget))
 
-        reader = asyncio.ensure_future(read())
-        if self.metrics is not None:
-            self.metrics.session_started()
-        outcome = "error"
-        try:
-            while True:
-                item = await outbox.get()
-                if item is None:
-                    outcome = "ok"
-                    return
-                if isinstance(item, tuple):
-                    outcome = "rejected"
-                    await context.abort(*item)
-                yield item
-        finally:
-            reader.cancel()
-            self.loop.submit(_Close(key))
-            if self.metrics is not None:
-                self.metrics.session_ended(outcome)
+    def close(self) -> None:
+        self.loop.submit(_Close(self.key))
+
+
+def draft_opener(loop: DraftLoop) -> Opener:
+    keys = itertools.count()
+    return lambda start, deliver: DraftStream(loop, next(keys), start, deliver)
+
+
+def draft_stream_config(identity: proposer_pb2.VocabIdentity, config: DraftConfig) -> StreamConfig:
+    """Budgets capped by the drafter's (``DraftConfig``); the target's vocabulary must be the draft's."""
+    return StreamConfig(
+        proposer="draft",
+        max_nodes=config.max_nodes,
+        max_depth=config.max_depth,
+        vocab_size=identity.vocab_size,
+        tokenizer_hash=identity.tokenizer_hash,
+        pushed=True,
+    )
 
 
 # --- process --------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    env = os.environ.get
-    p = argparse.ArgumentParser(prog="specmesh serve draft", description="SpecMesh draft-model proposer.")
-    p.add_argument("--address", default=env("SPECMESH_DRAFT_ADDRESS", "127.0.0.1:50062"), help="host:port")
-    p.add_argument(
+@dataclass(frozen=True)
+class DraftServerConfig:
+    serving: ServingConfig = field(default_factory=lambda: ServingConfig("127.0.0.1:50062"))
+    model: str | None = None  # None = the default model (the target itself)
+    device: str | None = None
+    dtype: str | None = None
+    threads: int = 1  # torch threads; 0 = torch's default
+    packed_linears: bool = True
+    max_context: int = 0  # 0 = the model's max_position_embeddings
+    max_batch: int = 16
+    max_nodes: int = 16
+    max_depth: int = 6
+    width: int = 4
+    branch: int = 4
+
+
+def build_flags() -> ServiceFlags:
+    """The draft proposer's flags (``specmesh serve draft --help``)."""
+    d = DraftServerConfig()
+    f = ServiceFlags("specmesh serve draft", "SpecMesh draft-model proposer.")
+    add_serving_flags(f, d.serving.address)
+    f.add(
         "--model",
-        default=env("SPECMESH_DRAFT_MODEL", "") or None,
-        help="HF causal-LM folder or .gguf sharing the target's tokenizer (default: SmolLM2-135M-Instruct itself, "
-        "which accepts everything and gains nothing; train one with `specmesh draft distill`)",
+        None,
+        str,
+        "HF causal-LM folder or .gguf sharing the target's tokenizer; unset: SmolLM2-135M-Instruct itself, "
+        "which accepts everything and gains nothing (train a draft with `specmesh draft distill`)",
     )
-    p.add_argument("--device", default=env("SPECMESH_DRAFT_DEVICE", "") or None, help="cpu, cuda, cuda:1 …")
-    p.add_argument("--dtype", default=env("SPECMESH_DRAFT_DTYPE", "") or None, help="float32, bfloat16, float16")
-    p.add_argument("--threads", type=int, default=int(env("SPECMESH_DRAFT_THREADS", "1")), help="torch threads")
-    add_linears_flag(p, env("SPECMESH_DRAFT_LINEARS", "packed"))
-    p.add_argument("--max-batch", type=int, default=int(env("SPECMESH_DRAFT_MAX_BATCH", "16")))
-    p.add_argument("--max-nodes", type=int, default=int(env("SPECMESH_DRAFT_MAX_NODES", "16")))
-    p.add_argument("--max-depth", type=int, default=int(env("SPECMESH_DRAFT_MAX_DEPTH", "6")))
-    p.add_argument("--width", type=int, default=int(env("SPECMESH_DRAFT_WIDTH", "4")), help="frontier per level")
-    p.add_argument("--branch", type=int, default=int(env("SPECMESH_DRAFT_BRANCH", "4")), help="children per node")
-    p.add_argument("--max-context", type=int, default=int(env("SPECMESH_DRAFT_MAX_CONTEXT", "0")))
-    p.add_argument("--grace", type=float, default=float(env("SPECMESH_GRACE_S", "30")))
-    add_metrics_flag(p)
-    return p.parse_args(argv)
+    f.add("--device", None, str, "cpu, cuda, cuda:1 …; unset: the GPU if present")
+    f.add("--dtype", None, str, "float32, bfloat16, float16; unset: float32 on CPU, bfloat16 on GPU")
+    f.add("--threads", d.threads, int, "torch threads (0 = torch's default)")
+    add_linears_flag(f)
+    f.add("--max-batch", d.max_batch, int, "requests drafted together in one forward")
+    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal (caps the verifier's budget)")
+    f.add("--max-depth", d.max_depth, int, "tree depth per proposal (caps the verifier's budget)")
+    f.add("--width", d.width, int, "frontier nodes expanded per level")
+    f.add("--branch", d.branch, int, "children per expanded node")
+    f.add("--max-context", d.max_context, int, "context tokens per request (0 = the model's maximum)")
+    return f
 
 
-async def run(a: argparse.Namespace) -> None:
+def parse_args(argv: list[str] | None = None) -> DraftServerConfig:
+    f = build_flags()
+    a = f.parse(argv)
+    serving = serving_config(f, a)
+    at_least(f, "--threads", a.threads, 0)
+    at_least(f, "--max-context", a.max_context, 0)
+    for flag, value in (
+        ("--max-batch", a.max_batch),
+        ("--max-nodes", a.max_nodes),
+        ("--max-depth", a.max_depth),
+        ("--width", a.width),
+        ("--branch", a.branch),
+    ):
+        at_least(f, flag, value, 1)
+    return DraftServerConfig(
+        serving=serving,
+        model=a.model,
+        device=a.device,
+        dtype=a.dtype,
+        threads=a.threads,
+        packed_linears=a.linears == "packed",
+        max_context=a.max_context,
+        max_batch=a.max_batch,
+        max_nodes=a.max_nodes,
+        max_depth=a.max_depth,
+        width=a.width,
+        branch=a.branch,
+    )
+
+
+async def run(cfg: DraftServerConfig) -> None:
     import torch
 
     from proposer_svc.draft import DraftConfig, Drafter
     from specmesh.server.model_loading import load_model, tokenizer_hash
     from specmesh.server.model_runner import ModelRunner
 
-    if a.threads > 0:
-        torch.set_num_threads(a.threads)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    lm = load_model(a.model, a.device, a.dtype)
+    lm = load_model(cfg.model, cfg.device, cfg.dtype)
     text_cfg = lm.model.config.get_text_config()
     model_max = int(getattr(text_cfg, "max_position_embeddings", 0) or 4096)
     config = DraftConfig(
-        max_nodes=a.max_nodes, max_depth=a.max_depth, width=a.width, branch=a.branch, max_batch=a.max_batch
+        max_nodes=cfg.max_nodes, max_depth=cfg.max_depth, width=cfg.width, branch=cfg.branch, max_batch=cfg.max_batch
     )
-    max_context = min(a.max_context or model_max, model_max)
-    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context, packed_linears=a.linears == "packed")
+    max_context = min(cfg.max_context or model_max, model_max)
+    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context, packed_linears=cfg.packed_linears)
     identity = proposer_pb2.VocabIdentity(vocab_size=runner.vocab_size, tokenizer_hash=tokenizer_hash(lm.tokenizer))
     print(
         f"draft: model {lm.name} ({text_cfg.num_hidden_layers} layers) from {lm.path} on {lm.device} ({lm.dtype}), "
@@ -335,14 +317,9 @@ async def run(a: argparse.Namespace) -> None:
     metrics = ProposerMetrics("draft")
     loop = DraftLoop(Drafter(runner, config), metrics)
     loop.start()
-    server = new_server()
-    servicer = DraftServicer(loop, identity, config.max_nodes, config.max_depth, metrics)
-    proposer_pb2_grpc.add_ProposerServiceServicer_to_server(servicer, server)
-    name = proposer_pb2.DESCRIPTOR.services_by_name["ProposerService"].full_name
+    servicer = ProposeStream(draft_stream_config(identity, config), draft_opener(loop), metrics)
     try:
-        await serve(
-            server, a.address, [name], grace_s=a.grace, ready_message="draft proposer", metrics_port=a.metrics_port
-        )
+        await serve_proposer(new_server(), servicer, cfg.serving, "draft")
     finally:
         loop.stop()
         if loop.proposals:

@@ -11,10 +11,8 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -36,34 +34,36 @@ from proposer_svc.datastore import (
     default_data_dir,
     tokenize_documents,
 )
+from proposer_svc.process import ServingConfig, add_serving_flags, serve_proposer, serving_config
 from proposer_svc.rag import RagConfig, RagRequest
-from proposer_svc.server import ProposerFactory, ProposerServicer, ProposerStartError, add_metrics_flag
+from proposer_svc.stream import Opener, ProposeStream, StreamConfig, StreamRefused, inline
+from specmesh.server.flags import ServiceFlags, at_least
 from specmesh.server.metrics import ProposerMetrics
-from specmesh.server.serving import new_server, serve
-from specmesh.v1 import proposer_pb2, proposer_pb2_grpc, rag_pb2, rag_pb2_grpc
+from specmesh.server.serving import new_server
+from specmesh.v1 import proposer_pb2, rag_pb2, rag_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RagServerConfig:
-    address: str = "127.0.0.1:50063"
+    serving: ServingConfig = field(default_factory=lambda: ServingConfig("127.0.0.1:50063"))
     model: str | None = None  # the target model: its tokenizer tokenizes the corpora
     data_dir: Path | None = None  # None = default_data_dir()
     default_corpus: str = ""  # for streams that name no corpus; "" = such streams are refused
     lookup: RagConfig = field(default_factory=RagConfig)
     max_ingest_bytes: int = 1 << 30  # per Ingest call
-    grace_s: float = 30.0
-    metrics_port: int = 0  # Prometheus /metrics; 0 = off
 
 
-def rag_factory(store: Datastore, config: RagConfig, default_corpus: str = "") -> ProposerFactory:
+def rag_opener(
+    store: Datastore, config: RagConfig, default_corpus: str = "", metrics: ProposerMetrics | None = None
+) -> Opener:
     """Per-stream state: a lookup over the snapshot of the named corpus taken at Start."""
 
     def make(start: proposer_pb2.ProposeStart) -> RagRequest:
         name = start.corpus or default_corpus
         if not name:
-            raise ProposerStartError(
+            raise StreamRefused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"corpus: the rag proposer needs a corpus name (SpecDecodeParams.corpus); known: "
                 f"{', '.join(store.names()) or 'none'}",
@@ -71,16 +71,16 @@ def rag_factory(store: Datastore, config: RagConfig, default_corpus: str = "") -
         try:
             corpus = store.get(name)
         except UnknownCorpus as exc:
-            raise ProposerStartError(grpc.StatusCode.INVALID_ARGUMENT, f"corpus: {exc}") from None
+            raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, f"corpus: {exc}") from None
         want = start.vocab.tokenizer_hash
         if want and want != corpus.tokenizer_hash:
-            raise ProposerStartError(
+            raise StreamRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"corpus {name!r} was tokenized with tokenizer {corpus.tokenizer_hash}, the verifier's is {want}",
             )
         return RagRequest(corpus.index, config)
 
-    return make
+    return inline(make, metrics)
 
 
 def corpus_info(corpus: Corpus) -> rag_pb2.CorpusInfo:
@@ -182,36 +182,43 @@ class RagServicer(rag_pb2_grpc.RagServiceServicer):
         )
 
 
-def parse_args(argv: list[str] | None) -> RagServerConfig:
-    env = os.environ.get
+def build_flags() -> ServiceFlags:
+    """The rag proposer's flags (``specmesh serve rag --help``)."""
     d = RagConfig()
-    p = argparse.ArgumentParser(prog="specmesh serve rag", description="SpecMesh retrieval (RAG lookup) proposer.")
-    p.add_argument("--address", default=env("SPECMESH_RAG_ADDRESS", RagServerConfig.address), help="host:port")
-    p.add_argument("--model", default=env("SPECMESH_MODEL") or None, help="target model whose tokenizer is used")
-    p.add_argument("--data-dir", default=env("SPECMESH_RAG_DATA_DIR"), help="corpora folder (default: cache dir/rag)")
-    p.add_argument("--default-corpus", default=env("SPECMESH_RAG_DEFAULT_CORPUS", ""))
-    p.add_argument("--min-match", type=int, default=int(env("SPECMESH_RAG_MIN_MATCH", str(d.min_match))))
-    p.add_argument("--max-match", type=int, default=int(env("SPECMESH_RAG_MAX_MATCH", str(d.max_match))))
-    occurrences = int(env("SPECMESH_RAG_MAX_OCCURRENCES", str(d.max_occurrences)))
-    p.add_argument("--max-occurrences", type=int, default=occurrences, help="occurrences merged per lookup")
-    p.add_argument("--max-nodes", type=int, default=int(env("SPECMESH_RAG_MAX_NODES", str(d.max_nodes))))
-    p.add_argument("--max-depth", type=int, default=int(env("SPECMESH_RAG_MAX_DEPTH", str(d.max_depth))))
-    p.add_argument("--max-ingest-bytes", type=int, default=int(env("SPECMESH_RAG_MAX_INGEST_BYTES", str(1 << 30))))
-    p.add_argument("--grace", type=float, default=float(env("SPECMESH_GRACE_S", "30")))
-    add_metrics_flag(p)
-    a = p.parse_args(argv)
-    if not 1 <= a.min_match <= a.max_match:
-        p.error("need 1 <= --min-match <= --max-match")
-    lookup = RagConfig(a.min_match, a.max_match, a.max_occurrences, a.max_nodes, a.max_depth)
+    f = ServiceFlags("specmesh serve rag", "SpecMesh retrieval (RAG lookup) proposer.")
+    add_serving_flags(f, RagServerConfig().serving.address)
+    f.add("--model", None, str, "target model (HF folder or .gguf) whose tokenizer tokenizes the corpora")
+    f.add("--data-dir", None, str, "corpora folder; unset: $SPECMESH_RAG_DATA_DIR, else the cache dir's rag/")
+    f.add("--default-corpus", "", str, "corpus for streams that name none (empty: such streams are refused)")
+    f.add("--min-match", d.min_match, int, "shortest context suffix looked up")
+    f.add("--max-match", d.max_match, int, "longest context suffix looked up")
+    f.add("--max-occurrences", d.max_occurrences, int, "occurrences merged per lookup")
+    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal when the verifier sets no budget")
+    f.add("--max-depth", d.max_depth, int, "tree depth per proposal when the verifier sets no budget")
+    f.add("--max-ingest-bytes", RagServerConfig.max_ingest_bytes, int, "largest Ingest call")
+    return f
+
+
+def parse_args(argv: list[str] | None = None) -> RagServerConfig:
+    f = build_flags()
+    a = f.parse(argv)
+    serving = serving_config(f, a)
+    at_least(f, "--min-match", a.min_match, 1)
+    at_least(f, "--max-match", a.max_match, a.min_match)
+    for flag, value in (
+        ("--max-occurrences", a.max_occurrences),
+        ("--max-nodes", a.max_nodes),
+        ("--max-depth", a.max_depth),
+        ("--max-ingest-bytes", a.max_ingest_bytes),
+    ):
+        at_least(f, flag, value, 1)
     return RagServerConfig(
-        address=a.address,
+        serving=serving,
         model=a.model,
         data_dir=Path(a.data_dir) if a.data_dir else None,
         default_corpus=a.default_corpus,
-        lookup=lookup,
+        lookup=RagConfig(a.min_match, a.max_match, a.max_occurrences, a.max_nodes, a.max_depth),
         max_ingest_bytes=a.max_ingest_bytes,
-        grace_s=a.grace,
-        metrics_port=a.metrics_port,
     )
 
 
@@ -226,19 +233,15 @@ async def run(cfg: RagServerConfig) -> None:
     store = Datastore(cfg.data_dir or default_data_dir())
     log.info("datastore %s: corpora %s; tokenizer %s", store.root, store.names() or "none", thash)
     server = new_server()
-    factory = rag_factory(store, cfg.lookup, cfg.default_corpus)
-    proposer_pb2_grpc.add_ProposerServiceServicer_to_server(ProposerServicer(factory, ProposerMetrics("rag")), server)
     model = cfg.model or DEFAULT_MODEL
     rag_pb2_grpc.add_RagServiceServicer_to_server(
         RagServicer(store, tokenizer, thash, model, cfg.max_ingest_bytes), server
     )
-    names = [
-        proposer_pb2.DESCRIPTOR.services_by_name["ProposerService"].full_name,
-        rag_pb2.DESCRIPTOR.services_by_name["RagService"].full_name,
-    ]
-    await serve(
-        server, cfg.address, names, grace_s=cfg.grace_s, ready_message="rag proposer", metrics_port=cfg.metrics_port
-    )
+    metrics = ProposerMetrics("rag")
+    opener = rag_opener(store, cfg.lookup, cfg.default_corpus, metrics)
+    proposer = ProposeStream(StreamConfig(proposer="rag"), opener, metrics)
+    rag = rag_pb2.DESCRIPTOR.services_by_name["RagService"].full_name
+    await serve_proposer(server, proposer, cfg.serving, "rag", [rag])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,17 +3,18 @@
 It bounds what any proposer can gain on this verifier and hardware: every drafted token is
 accepted, so its speed-up is the verifier's cost ceiling. The benchmark fills in each prompt's
 continuation from the same run's plain greedy output, then serves it over the ordinary
-``ProposerService.Propose`` stream (a chain of as many tokens as the budget allows).
+``ProposerService.Propose`` stream (``proposer_svc/stream.py``; a chain of as many tokens as the
+budget allows) from an asyncio loop on a thread of the benchmark's process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 
+from proposer_svc.stream import ProposeStream, StreamConfig, inline
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
 
@@ -28,8 +29,29 @@ def oracle_chain(continuation: list[int], done: int, max_nodes: int, max_depth: 
     return tokens, list(range(-1, len(tokens) - 1))
 
 
-class OracleServicer(proposer_pb2_grpc.ProposerServiceServicer):
+class OracleChain:
+    """One stream's state (a ``TreeBuilder``): the continuation, while the accepted tokens follow it."""
+
+    def __init__(self, continuation: list[int], prompt_length: int) -> None:
+        self.continuation, self.prompt_length = continuation, prompt_length
+        self.context_length = 0
+
+    def extend(self, tokens: list[int]) -> None:
+        done = self.context_length - self.prompt_length  # < 0 while the prompt itself is added
+        if done >= 0 and self.continuation[done : done + len(tokens)] != tokens:
+            self.continuation = []  # the output left the known path: nothing more to offer
+        self.context_length += len(tokens)
+
+    def propose(self, max_nodes: int | None, max_depth: int | None) -> tuple[list[int], list[int]]:
+        done = self.context_length - self.prompt_length
+        return oracle_chain(self.continuation, done, max_nodes or 0, max_depth or 0)
+
+
+class OracleServicer(ProposeStream):
+    """The Propose stream over the continuations the benchmark sets (from any thread)."""
+
     def __init__(self) -> None:
+        super().__init__(StreamConfig(proposer="oracle"), inline(self._chain, None))
         self._continuations: dict[tuple[int, ...], list[int]] = {}
         self._lock = threading.Lock()
 
@@ -37,46 +59,38 @@ class OracleServicer(proposer_pb2_grpc.ProposerServiceServicer):
         with self._lock:
             self._continuations[tuple(prompt_ids)] = list(continuation)
 
-    def Propose(
-        self, request_iterator: Iterator[proposer_pb2.ProposeRequest], context: grpc.ServicerContext
-    ) -> Iterator[proposer_pb2.ProposeResponse]:
-        continuation: list[int] = []
-        prompt_len, done = 0, 0
-        budget = proposer_pb2.TreeBudget()
-        for msg in request_iterator:
-            kind = msg.WhichOneof("event")
-            if kind == "start":
-                with self._lock:
-                    continuation = self._continuations.get(tuple(msg.start.prompt_token_ids), [])
-                prompt_len, budget = len(msg.start.prompt_token_ids), msg.start.budget
-            elif kind == "advance":
-                accepted = list(msg.advance.accepted_token_ids)
-                if continuation[done : done + len(accepted)] != accepted:
-                    continuation = []  # the output left the known path: nothing more to offer
-                done += len(accepted)
-                if msg.advance.HasField("budget"):
-                    budget = msg.advance.budget
-            else:
-                return
-            tokens, parents = oracle_chain(continuation, done, budget.max_nodes, budget.max_depth)
-            yield proposer_pb2.ProposeResponse(
-                context_length=prompt_len + done, tree=proposer_pb2.TokenTree(tokens=tokens, parents=parents)
-            )
+    def _chain(self, start: proposer_pb2.ProposeStart) -> OracleChain:
+        with self._lock:
+            continuation = self._continuations.get(tuple(start.prompt_token_ids), [])
+        return OracleChain(continuation, len(start.prompt_token_ids))
 
 
 class OracleServer:
-    """A loopback proposer server in this process; ``address`` is what the verifier dials."""
+    """A loopback proposer server in this process; ``address`` (set on entry) is what the verifier dials."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.servicer = OracleServicer()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=128))
-        proposer_pb2_grpc.add_ProposerServiceServicer_to_server(self.servicer, self._server)
-        port = self._server.add_insecure_port(f"{host}:0")
-        self.address = f"{host}:{port}"
+        self.host, self.address = host, ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="oracle-proposer", daemon=True)
+        self._server: grpc.aio.Server | None = None
 
     def __enter__(self) -> OracleServer:
-        self._server.start()
+        self._thread.start()
+        port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+        self.address = f"{self.host}:{port}"
         return self
 
+    async def _start(self) -> int:
+        self._server = grpc.aio.server()
+        proposer_pb2_grpc.add_ProposerServiceServicer_to_server(self.servicer, self._server)
+        port = self._server.add_insecure_port(f"{self.host}:0")
+        await self._server.start()
+        return port
+
     def __exit__(self, *exc: object) -> None:
-        self._server.stop(grace=None)
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(None), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

@@ -1,0 +1,279 @@
+"""The ``ProposerService.Propose`` stream, written once for every proposer (n-gram, rag, draft, the
+bench's oracle): what a stream may send and in which order, the budget limits, the vocabulary
+check, session metrics and every abort message live here; a proposer supplies only its
+``ProposalCore``, one per stream.
+
+A core answers on the event loop (``advance`` returns the tree: n-gram, rag, oracle, through
+``inline``) or later from another thread (``StreamConfig.pushed``: ``advance`` only queues the
+tokens and the tree arrives through ``deliver``; the draft model's batching loop). Pushed
+streams read the client on a task of their own, so a new Advance reaches the core while an
+older tree is still being drafted: the core may skip trees for contexts already left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from specmesh.server.metrics import ProposerMetrics
+from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+
+# Hands a tree to the stream from any thread; None ends the stream (the core gave up on it).
+Deliver = Callable[[proposer_pb2.ProposeResponse | None], None]
+
+
+class StreamRefused(Exception):
+    """A stream refused with a status: raised by the framework's checks or by a core (e.g. an
+    unknown corpus); the stream is aborted with ``code`` and ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class ProposalCore(Protocol):
+    """One stream's proposer state. ``start`` and ``advance`` return the tree for the new context,
+    or None when it comes later through ``deliver`` (pushed streams)."""
+
+    def start(self, prompt: list[int], budget: proposer_pb2.TreeBudget) -> proposer_pb2.ProposeResponse | None: ...
+
+    def advance(self, tokens: list[int], budget: proposer_pb2.TreeBudget) -> proposer_pb2.ProposeResponse | None: ...
+
+    def close(self) -> None: ...
+
+
+# Opens a stream's core from its validated Start message (or raises StreamRefused).
+Opener = Callable[[proposer_pb2.ProposeStart, Deliver], ProposalCore]
+
+
+class TreeBuilder(Protocol):
+    """A synchronous proposer's per-request state (``NgramIndex``, ``RagRequest``, the oracle's chain)."""
+
+    @property
+    def context_length(self) -> int: ...
+
+    def extend(self, tokens: list[int]) -> None: ...
+
+    def propose(self, max_nodes: int | None, max_depth: int | None) -> tuple[list[int], list[int]]: ...
+
+
+class InlineCore:
+    """A ``ProposalCore`` over a ``TreeBuilder``: each tree built at once, on the event loop."""
+
+    __slots__ = ("builder", "metrics")
+
+    def __init__(self, builder: TreeBuilder, metrics: ProposerMetrics | None) -> None:
+        self.builder, self.metrics = builder, metrics
+
+    def start(self, prompt: list[int], budget: proposer_pb2.TreeBudget) -> proposer_pb2.ProposeResponse:
+        return self.advance(prompt, budget)
+
+    def advance(self, tokens: list[int], budget: proposer_pb2.TreeBudget) -> proposer_pb2.ProposeResponse:
+        b = self.builder
+        b.extend(tokens)
+        t0 = time.perf_counter()
+        nodes, parents = b.propose(budget.max_nodes or None, budget.max_depth or None)  # 0: the builder's default
+        if self.metrics is not None:
+            self.metrics.proposal(len(nodes), time.perf_counter() - t0)
+        return proposer_pb2.ProposeResponse(
+            context_length=b.context_length, tree=proposer_pb2.TokenTree(tokens=nodes, parents=parents)
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def inline(factory: Callable[[proposer_pb2.ProposeStart], TreeBuilder], metrics: ProposerMetrics | None) -> Opener:
+    """An ``Opener`` for a synchronous proposer: ``factory`` builds the state (prompt not yet added)."""
+    return lambda start, deliver: InlineCore(factory(start), metrics)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    proposer: str  # names the proposer in refusals
+    max_nodes: int = 0  # caps every budget (an unset one becomes the cap); 0 = budgets as sent
+    max_depth: int = 0
+    vocab_size: int = 0  # > 0: targets with another vocabulary are refused, token ids checked against it
+    tokenizer_hash: str = ""
+    pushed: bool = False  # trees come through ``deliver`` from another thread, not from ``advance``
+
+
+# The abort messages of every proposer.
+START_TWICE = "start: stream already started"
+EMPTY_PROMPT = "start.prompt_token_ids: empty"
+ADVANCE_FIRST = "advance before start"
+
+
+def vocab_mismatch(proposer: str, vocab_size: int, tokenizer_hash: str, target: proposer_pb2.VocabIdentity) -> str:
+    """Why this proposer cannot propose for that target ('' when it can); an empty target field is not checked.
+
+    >>> vocab_mismatch("draft", 10, "ab", proposer_pb2.VocabIdentity(vocab_size=10, tokenizer_hash="ab"))
+    ''
+    >>> vocab_mismatch("draft", 10, "ab", proposer_pb2.VocabIdentity(vocab_size=12, tokenizer_hash="cd"))
+    "draft vocabulary size 10 != target's 12; draft tokenizer hash 'ab' != target's 'cd'"
+    """
+    problems = []
+    if target.vocab_size and vocab_size != target.vocab_size:
+        problems.append(f"{proposer} vocabulary size {vocab_size} != target's {target.vocab_size}")
+    if target.tokenizer_hash and tokenizer_hash != target.tokenizer_hash:
+        problems.append(f"{proposer} tokenizer hash {tokenizer_hash!r} != target's {target.tokenizer_hash!r}")
+    return "; ".join(problems)
+
+
+def _clamp(value: int, cap: int) -> int:
+    return min(value or cap, cap) if cap else value
+
+
+def _unpushed(resp: proposer_pb2.ProposeResponse | None) -> None:
+    raise RuntimeError("this stream is not pushed (StreamConfig.pushed): return the tree from advance")
+
+
+def _onto_loop(outbox: asyncio.Queue) -> Deliver:
+    """A pushed stream's ``deliver``: from any thread into ``outbox``, on this event loop."""
+    loop = asyncio.get_running_loop()
+    return lambda resp: loop.call_soon_threadsafe(outbox.put_nowait, resp)
+
+
+def _advance_of(msg: proposer_pb2.ProposeRequest) -> proposer_pb2.ProposeAdvance | None:
+    """A later message's Advance; None at the stream's end; a second Start is refused."""
+    kind = msg.WhichOneof("event")
+    if kind == "advance":
+        return msg.advance
+    if kind == "start":
+        raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, START_TWICE)
+    return None
+
+
+async def _arrivals(
+    requests: AsyncIterator[proposer_pb2.ProposeRequest], outbox: asyncio.Queue
+) -> AsyncIterator[proposer_pb2.ProposeRequest | proposer_pb2.ProposeResponse]:
+    """A pushed stream's client messages and delivered trees, in arrival order: the client is read
+    on a task of its own, so an Advance reaches the core while a tree is still on its way."""
+
+    async def read() -> None:
+        try:
+            async for msg in requests:
+                outbox.put_nowait(msg)
+        except (asyncio.CancelledError, grpc.RpcError):
+            pass
+        outbox.put_nowait(None)
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while (item := await outbox.get()) is not None:  # None: the client is done, or the core gave up
+            yield item
+    finally:
+        reader.cancel()
+
+
+@dataclass
+class _Stream:
+    core: ProposalCore
+    budget: proposer_pb2.TreeBudget
+
+
+class ProposeStream(proposer_pb2_grpc.ProposerServiceServicer):
+    """The ``ProposerService`` servicer: one ``ProposalCore`` per stream, opened by ``open``."""
+
+    def __init__(self, config: StreamConfig, open: Opener, metrics: ProposerMetrics | None = None) -> None:
+        self.config, self.open, self.metrics = config, open, metrics
+
+    async def Propose(
+        self, request_iterator: AsyncIterator[proposer_pb2.ProposeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[proposer_pb2.ProposeResponse]:
+        if self.metrics is not None:
+            self.metrics.session_started()
+        outcome = "error"
+        try:
+            async with aclosing(self._stream(request_iterator)) as responses:
+                async for resp in responses:
+                    yield resp
+            outcome = "ok"
+        except StreamRefused as exc:
+            outcome = "rejected"
+            await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.session_ended(outcome)
+
+    async def _stream(
+        self, requests: AsyncIterator[proposer_pb2.ProposeRequest]
+    ) -> AsyncIterator[proposer_pb2.ProposeResponse]:
+        it = requests.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        kind = first.WhichOneof("event")
+        if kind == "advance":
+            raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, ADVANCE_FIRST)
+        if kind != "start":  # End (or nothing) before Start: nothing was opened
+            return
+        start = first.start
+        prompt = self._checked_start(start)
+        outbox: asyncio.Queue | None = asyncio.Queue() if self.config.pushed else None
+        deliver = _unpushed if outbox is None else _onto_loop(outbox)
+        s = _Stream(self.open(start, deliver), self._budget(start.budget))
+        arrivals = None if outbox is None else _arrivals(it, outbox)
+        try:
+            resp = s.core.start(prompt, s.budget)
+            if resp is not None:
+                yield resp
+            async for item in arrivals or it:
+                if isinstance(item, proposer_pb2.ProposeResponse):  # delivered (pushed streams)
+                    yield item
+                    continue
+                advance = _advance_of(item)
+                if advance is None:
+                    return
+                resp = self._advance(s, advance)
+                if resp is not None:
+                    yield resp
+        finally:
+            s.core.close()
+            if arrivals is not None:
+                await arrivals.aclose()
+
+    def _checked_start(self, start: proposer_pb2.ProposeStart) -> list[int]:
+        cfg = self.config
+        problem = cfg.vocab_size and vocab_mismatch(cfg.proposer, cfg.vocab_size, cfg.tokenizer_hash, start.vocab)
+        if problem:
+            raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, f"{cfg.proposer} refused: {problem}")
+        prompt = list(start.prompt_token_ids)
+        if not prompt:
+            raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, EMPTY_PROMPT)
+        self._check_tokens("start.prompt_token_ids", prompt)
+        return prompt
+
+    def _advance(self, s: _Stream, advance: proposer_pb2.ProposeAdvance) -> proposer_pb2.ProposeResponse | None:
+        tokens = list(advance.accepted_token_ids)
+        self._check_tokens("advance", tokens)
+        if advance.HasField("budget"):
+            s.budget = self._budget(advance.budget)
+        return s.core.advance(tokens, s.budget)
+
+    def _check_tokens(self, where: str, tokens: list[int]) -> None:
+        if n := self.config.vocab_size:
+            bad = next((t for t in tokens if not 0 <= t < n), None)
+            if bad is not None:
+                raise StreamRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}: token id {bad} outside the {self.config.proposer} vocabulary [0, {n})",
+                )
+
+    def _budget(self, budget: proposer_pb2.TreeBudget) -> proposer_pb2.TreeBudget:
+        cfg = self.config
+        if not (cfg.max_nodes or cfg.max_depth):
+            return budget
+        return proposer_pb2.TreeBudget(
+            max_nodes=_clamp(budget.max_nodes, cfg.max_nodes), max_depth=_clamp(budget.max_depth, cfg.max_depth)
+        )

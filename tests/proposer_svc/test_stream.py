@@ -1,0 +1,217 @@
+"""The Propose-stream framework on a real in-process grpc.aio server with trivial cores: stream
+orders and bad values refused with their status, budgets capped, session outcomes counted, and
+a pushed core's trees delivered from another thread while Advances keep arriving."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proposer_svc.stream import Deliver, ProposeStream, StreamConfig, StreamRefused, inline
+from specmesh.server.metrics import ProposerMetrics
+from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+
+
+class LastToken:
+    """A TreeBuilder proposing the context's last token once; records the budgets it was given."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.budgets: list[tuple[int | None, int | None]] = []
+
+    @property
+    def context_length(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+
+    def propose(self, max_nodes: int | None, max_depth: int | None) -> tuple[list[int], list[int]]:
+        self.budgets.append((max_nodes, max_depth))
+        return [self.tokens[-1]], [-1]
+
+
+def start(prompt: list[int], nodes: int = 0, depth: int = 0, vocab_size: int = 0) -> proposer_pb2.ProposeRequest:
+    return proposer_pb2.ProposeRequest(
+        start=proposer_pb2.ProposeStart(
+            request_id="r",
+            prompt_token_ids=prompt,
+            budget=proposer_pb2.TreeBudget(max_nodes=nodes, max_depth=depth),
+            vocab=proposer_pb2.VocabIdentity(vocab_size=vocab_size),
+        )
+    )
+
+
+def advance(tokens: list[int], nodes: int | None = None) -> proposer_pb2.ProposeRequest:
+    msg = proposer_pb2.ProposeAdvance(accepted_token_ids=tokens)
+    if nodes is not None:
+        msg.budget.max_nodes = nodes
+    return proposer_pb2.ProposeRequest(advance=msg)
+
+
+END = proposer_pb2.ProposeRequest(end=proposer_pb2.ProposeEnd())
+
+
+@asynccontextmanager
+async def served(servicer: ProposeStream) -> AsyncIterator[proposer_pb2_grpc.ProposerServiceStub]:
+    server = grpc.aio.server()
+    proposer_pb2_grpc.add_ProposerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield proposer_pb2_grpc.ProposerServiceStub(channel)
+    finally:
+        await server.stop(None)
+
+
+def exchange(servicer: ProposeStream, messages: Iterable[proposer_pb2.ProposeRequest]):
+    """The responses to ``messages`` (sent, then the stream half-closed), or the RPC's error."""
+
+    async def run():
+        async with served(servicer) as stub:
+            try:
+                return [r async for r in stub.Propose(iter(list(messages)), timeout=10)]
+            except grpc.aio.AioRpcError as err:
+                return err
+
+    return asyncio.run(run())
+
+
+def last_token_stream(config: StreamConfig, metrics: ProposerMetrics | None = None):
+    builders: list[LastToken] = []
+
+    def factory(start: proposer_pb2.ProposeStart) -> LastToken:
+        builders.append(LastToken())
+        return builders[-1]
+
+    return ProposeStream(config, inline(factory, metrics), metrics), builders
+
+
+def test_each_start_and_advance_is_answered_with_a_tree_for_the_new_context():
+    servicer, _ = last_token_stream(StreamConfig(proposer="test"))
+    replies = exchange(servicer, [start([1, 2, 3]), advance([4, 5]), advance([6]), END, advance([7])])
+    assert [(r.context_length, list(r.tree.tokens)) for r in replies] == [(3, [3]), (5, [5]), (6, [6])]
+
+
+def test_budgets_are_capped_by_the_proposer_and_kept_until_an_advance_replaces_them():
+    servicer, builders = last_token_stream(StreamConfig(proposer="test", max_nodes=8, max_depth=4))
+    exchange(servicer, [start([1], nodes=0, depth=9), advance([2]), advance([3], nodes=5), advance([4], nodes=99)])
+    assert builders[0].budgets == [(8, 4), (8, 4), (5, 4), (8, 4)]  # an unset field is the cap
+
+
+def test_without_limits_an_unset_budget_is_left_to_the_builder():
+    servicer, builders = last_token_stream(StreamConfig(proposer="test"))
+    exchange(servicer, [start([1], nodes=3), advance([2])])
+    assert builders[0].budgets == [(3, None), (3, None)]
+
+
+@pytest.mark.parametrize(
+    ("messages", "code", "details"),
+    [
+        ([advance([1])], grpc.StatusCode.FAILED_PRECONDITION, "advance before start"),
+        ([start([1]), start([1])], grpc.StatusCode.FAILED_PRECONDITION, "start: stream already started"),
+        ([start([])], grpc.StatusCode.INVALID_ARGUMENT, "start.prompt_token_ids: empty"),
+        (
+            [start([1, 12])],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "start.prompt_token_ids: token id 12 outside the test vocabulary [0, 10)",
+        ),
+        ([start([1]), advance([-1])], grpc.StatusCode.INVALID_ARGUMENT, "advance: token id -1 outside the test"),
+        (
+            [start([1], vocab_size=11)],
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "test refused: test vocabulary size 10 != target's 11",
+        ),
+    ],
+    ids=["advance-first", "start-twice", "empty-prompt", "prompt-token", "advance-token", "other-vocabulary"],
+)
+def test_bad_streams_are_aborted_with_their_status(messages, code, details):
+    servicer, _ = last_token_stream(StreamConfig(proposer="test", vocab_size=10))
+    err = exchange(servicer, messages)
+    assert isinstance(err, grpc.aio.AioRpcError), err
+    assert err.code() == code and err.details().startswith(details), (err.code(), err.details())
+
+
+def test_a_core_refusing_the_start_aborts_with_its_own_status():
+    def refuse(start: proposer_pb2.ProposeStart) -> LastToken:
+        raise StreamRefused(grpc.StatusCode.NOT_FOUND, "corpus: nope")
+
+    err = exchange(ProposeStream(StreamConfig(proposer="test"), inline(refuse, None)), [start([1])])
+    assert err.code() == grpc.StatusCode.NOT_FOUND and err.details() == "corpus: nope"
+
+
+def test_a_stream_ended_before_its_start_is_fine_and_empty():
+    servicer, builders = last_token_stream(StreamConfig(proposer="test"))
+    assert exchange(servicer, [END]) == [] and exchange(servicer, []) == [] and builders == []
+
+
+def test_session_outcomes_and_proposals_are_counted():
+    registry = CollectorRegistry()
+    metrics = ProposerMetrics("test", registry)
+    servicer, _ = last_token_stream(StreamConfig(proposer="test"), metrics)
+    exchange(servicer, [start([1]), advance([2])])
+    exchange(servicer, [advance([2])])
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"proposer": "test", **labels})
+
+    assert sample("specmesh_proposer_sessions_total", outcome="ok") == 1
+    assert sample("specmesh_proposer_sessions_total", outcome="rejected") == 1
+    assert sample("specmesh_proposer_open_sessions") == 0
+    assert sample("specmesh_proposals_total") == 2
+
+
+class Pushed:
+    """A pushed core: records its events; the test thread delivers trees whenever it likes."""
+
+    def __init__(self, deliver: Deliver) -> None:
+        self.deliver = deliver
+        self.events: list[tuple[str, list[int]]] = []
+
+    def start(self, prompt: list[int], budget: proposer_pb2.TreeBudget) -> None:
+        self.events.append(("start", prompt))
+
+    def advance(self, tokens: list[int], budget: proposer_pb2.TreeBudget) -> None:
+        self.events.append(("advance", tokens))
+
+    def close(self) -> None:
+        self.events.append(("close", []))
+
+
+def test_a_pushed_core_gets_advances_while_its_trees_come_from_another_thread():
+    cores: list[Pushed] = []
+
+    def open_pushed(start: proposer_pb2.ProposeStart, deliver: Deliver) -> Pushed:
+        cores.append(Pushed(deliver))
+        return cores[-1]
+
+    servicer = ProposeStream(StreamConfig(proposer="test", pushed=True), open_pushed)
+
+    def from_thread(fn) -> None:
+        threading.Thread(target=fn).start()
+
+    async def run() -> list[proposer_pb2.ProposeResponse]:
+        async with served(servicer) as stub:
+            call = stub.Propose(timeout=10)
+            await call.write(start([1, 2]))
+            await call.write(advance([3]))
+            await call.write(advance([4]))  # no tree was owed an answer yet: the core sees both
+            while len(cores) < 1 or len(cores[0].events) < 3:
+                await asyncio.sleep(0.01)
+            tree = proposer_pb2.TokenTree(tokens=[5], parents=[-1])
+            from_thread(lambda: cores[0].deliver(proposer_pb2.ProposeResponse(context_length=4, tree=tree)))
+            first = await call.read()
+            from_thread(lambda: cores[0].deliver(None))  # the core gives up: the stream ends
+            assert await call.read() == grpc.aio.EOF and await call.code() == grpc.StatusCode.OK
+            return [first]
+
+    replies = asyncio.run(run())
+    assert [(r.context_length, list(r.tree.tokens)) for r in replies] == [(4, [5])]
+    assert cores[0].events == [("start", [1, 2]), ("advance", [3]), ("advance", [4]), ("close", [])]
