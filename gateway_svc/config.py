@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specmesh.server.flags import ServiceFlags, at_least, host_port
+from specmesh.server.flags import ServiceFlags
 
 
 @dataclass(frozen=True)
@@ -24,22 +24,18 @@ def build_flags() -> ServiceFlags:
         "specmesh serve gateway",
         "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) over a verifier.",
     )
-    f.add("--address", "127.0.0.1:8000", str, "HTTP host:port to listen on")
+    f.add_address("--address", "127.0.0.1:8000", "HTTP host:port to listen on")
     f.add("--verifier", "127.0.0.1:50051", str, "verifier gRPC target (dns:///host:port spreads over replicas)")
     f.add("--served-model-name", "", str, "the model id clients send; empty = the verifier's")
-    f.add("--request-timeout", 600.0, float, "seconds one generation may take (then 504)")
-    f.add("--max-n", 8, int, "most choices (n) one request may ask for")
-    f.add("--grace", 30.0, float, "seconds in-flight streams get to finish on SIGTERM")
+    f.add("--request-timeout", 600.0, float, "seconds one generation may take (then 504)", minimum=1e-3)
+    f.add("--max-n", 8, int, "most choices (n) one request may ask for", minimum=1)
+    f.add("--grace", 30.0, float, "seconds in-flight streams get to finish on SIGTERM", minimum=0)
     return f
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     f = build_flags()
     a = f.parse(argv)
-    host_port(f, "--address", a.address)
-    at_least(f, "--max-n", a.max_n, 1)
-    at_least(f, "--request-timeout", a.request_timeout, 1e-3)
-    at_least(f, "--grace", a.grace, 0)
     return GatewayConfig(
         address=a.address,
         verifier=a.verifier,

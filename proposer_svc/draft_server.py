@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from proposer_svc.process import ServingConfig, add_serving_flags, serve_proposer, serving_config
 from proposer_svc.stream import Deliver, Opener, ProposeStream, StreamConfig
-from specmesh.server.flags import ServiceFlags, at_least
+from specmesh.server.flags import ServiceFlags
 from specmesh.server.metrics import ProposerMetrics
 from specmesh.server.packed_linear import add_linears_flag
 from specmesh.server.serving import new_server
@@ -249,31 +249,21 @@ def build_flags() -> ServiceFlags:
     )
     f.add("--device", None, str, "cpu, cuda, cuda:1 …; unset: the GPU if present")
     f.add("--dtype", None, str, "float32, bfloat16, float16; unset: float32 on CPU, bfloat16 on GPU")
-    f.add("--threads", d.threads, int, "torch threads (0 = torch's default)")
+    f.add("--threads", d.threads, int, "torch threads (0 = torch's default)", minimum=0)
     add_linears_flag(f)
-    f.add("--max-batch", d.max_batch, int, "requests drafted together in one forward")
-    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal (caps the verifier's budget)")
-    f.add("--max-depth", d.max_depth, int, "tree depth per proposal (caps the verifier's budget)")
-    f.add("--width", d.width, int, "frontier nodes expanded per level")
-    f.add("--branch", d.branch, int, "children per expanded node")
-    f.add("--max-context", d.max_context, int, "context tokens per request (0 = the model's maximum)")
+    f.add("--max-batch", d.max_batch, int, "requests drafted together in one forward", minimum=1)
+    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal (caps the verifier's budget)", minimum=1)
+    f.add("--max-depth", d.max_depth, int, "tree depth per proposal (caps the verifier's budget)", minimum=1)
+    f.add("--width", d.width, int, "frontier nodes expanded per level", minimum=1)
+    f.add("--branch", d.branch, int, "children per expanded node", minimum=1)
+    f.add("--max-context", d.max_context, int, "context tokens per request (0 = the model's maximum)", minimum=0)
     return f
 
 
 def parse_args(argv: list[str] | None = None) -> DraftServerConfig:
     f = build_flags()
     a = f.parse(argv)
-    serving = serving_config(f, a)
-    at_least(f, "--threads", a.threads, 0)
-    at_least(f, "--max-context", a.max_context, 0)
-    for flag, value in (
-        ("--max-batch", a.max_batch),
-        ("--max-nodes", a.max_nodes),
-        ("--max-depth", a.max_depth),
-        ("--width", a.width),
-        ("--branch", a.branch),
-    ):
-        at_least(f, flag, value, 1)
+    serving = serving_config(a)
     return DraftServerConfig(
         serving=serving,
         model=a.model,

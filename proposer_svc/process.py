@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specmesh.server.flags import ServiceFlags, at_least, host_port
+from specmesh.server.flags import ServiceFlags
 from specmesh.server.serving import serve
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
@@ -23,18 +23,14 @@ class ServingConfig:
 
 def add_serving_flags(flags: ServiceFlags, address: str) -> None:
     """``--address`` (defaulting to ``address``), ``--grace`` and ``--metrics-port``."""
-    flags.add("--address", address, str, "host:port to listen on")
-    flags.add("--grace", 30.0, float, "seconds open streams get to finish on SIGTERM")
-    flags.add("--metrics-port", 0, int, "Prometheus /metrics port; 0 = off")
+    flags.add_address("--address", address, "host:port to listen on")
+    flags.add("--grace", 30.0, float, "seconds open streams get to finish on SIGTERM", minimum=0)
+    flags.add("--metrics-port", 0, int, "Prometheus /metrics port; 0 = off", minimum=0)
 
 
-def serving_config(flags: ServiceFlags, a: argparse.Namespace) -> ServingConfig:
-    """The parsed serving flags, checked (a bad one is a one-line flag error)."""
-    return ServingConfig(
-        address=host_port(flags, "--address", a.address),
-        grace_s=at_least(flags, "--grace", a.grace, 0),
-        metrics_port=at_least(flags, "--metrics-port", a.metrics_port, 0),
-    )
+def serving_config(a: argparse.Namespace) -> ServingConfig:
+    """The parsed serving flags (checked by ``ServiceFlags.parse``)."""
+    return ServingConfig(address=a.address, grace_s=a.grace, metrics_port=a.metrics_port)
 
 
 async def serve_proposer(

@@ -190,28 +190,20 @@ def build_flags() -> ServiceFlags:
     f.add("--model", None, str, "target model (HF folder or .gguf) whose tokenizer tokenizes the corpora")
     f.add("--data-dir", None, str, "corpora folder; unset: $SPECMESH_RAG_DATA_DIR, else the cache dir's rag/")
     f.add("--default-corpus", "", str, "corpus for streams that name none (empty: such streams are refused)")
-    f.add("--min-match", d.min_match, int, "shortest context suffix looked up")
+    f.add("--min-match", d.min_match, int, "shortest context suffix looked up", minimum=1)
     f.add("--max-match", d.max_match, int, "longest context suffix looked up")
-    f.add("--max-occurrences", d.max_occurrences, int, "occurrences merged per lookup")
-    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal when the verifier sets no budget")
-    f.add("--max-depth", d.max_depth, int, "tree depth per proposal when the verifier sets no budget")
-    f.add("--max-ingest-bytes", RagServerConfig.max_ingest_bytes, int, "largest Ingest call")
+    f.add("--max-occurrences", d.max_occurrences, int, "occurrences merged per lookup", minimum=1)
+    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal when the verifier sets no budget", minimum=1)
+    f.add("--max-depth", d.max_depth, int, "tree depth per proposal when the verifier sets no budget", minimum=1)
+    f.add("--max-ingest-bytes", RagServerConfig.max_ingest_bytes, int, "largest Ingest call", minimum=1)
     return f
 
 
 def parse_args(argv: list[str] | None = None) -> RagServerConfig:
     f = build_flags()
     a = f.parse(argv)
-    serving = serving_config(f, a)
-    at_least(f, "--min-match", a.min_match, 1)
+    serving = serving_config(a)
     at_least(f, "--max-match", a.max_match, a.min_match)
-    for flag, value in (
-        ("--max-occurrences", a.max_occurrences),
-        ("--max-nodes", a.max_nodes),
-        ("--max-depth", a.max_depth),
-        ("--max-ingest-bytes", a.max_ingest_bytes),
-    ):
-        at_least(f, flag, value, 1)
     return RagServerConfig(
         serving=serving,
         model=a.model,

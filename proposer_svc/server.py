@@ -34,21 +34,18 @@ def build_flags() -> ServiceFlags:
     d = NgramConfig()
     f = ServiceFlags("specmesh serve ngram", "SpecMesh n-gram (prompt lookup) proposer.")
     add_serving_flags(f, NgramServerConfig().serving.address)
-    f.add("--min-n", d.min_n, int, "shortest context suffix (n-gram) looked up")
+    f.add("--min-n", d.min_n, int, "shortest context suffix (n-gram) looked up", minimum=1)
     f.add("--max-n", d.max_n, int, "longest context suffix (n-gram) looked up")
-    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal when the verifier sets no budget")
-    f.add("--max-depth", d.max_depth, int, "tree depth per proposal when the verifier sets no budget")
+    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal when the verifier sets no budget", minimum=1)
+    f.add("--max-depth", d.max_depth, int, "tree depth per proposal when the verifier sets no budget", minimum=1)
     return f
 
 
 def parse_args(argv: list[str] | None = None) -> NgramServerConfig:
     f = build_flags()
     a = f.parse(argv)
-    serving = serving_config(f, a)
-    at_least(f, "--min-n", a.min_n, 1)
+    serving = serving_config(a)
     at_least(f, "--max-n", a.max_n, a.min_n)
-    at_least(f, "--max-nodes", a.max_nodes, 1)
-    at_least(f, "--max-depth", a.max_depth, 1)
     ngram = NgramConfig(min_n=a.min_n, max_n=a.max_n, max_nodes=a.max_nodes, max_depth=a.max_depth)
     return NgramServerConfig(serving=serving, ngram=ngram)
 

@@ -262,13 +262,13 @@ class ProposeStream(proposer_pb2_grpc.ProposerServiceServicer):
         return s.core.advance(tokens, s.budget)
 
     def _check_tokens(self, where: str, tokens: list[int]) -> None:
-        if n := self.config.vocab_size:
-            bad = next((t for t in tokens if not 0 <= t < n), None)
-            if bad is not None:
-                raise StreamRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{where}: token id {bad} outside the {self.config.proposer} vocabulary [0, {n})",
-                )
+        n = self.config.vocab_size
+        if n and tokens and (min(tokens) < 0 or max(tokens) >= n):  # C-speed scan; the id only when bad
+            bad = next(t for t in tokens if not 0 <= t < n)
+            raise StreamRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: token id {bad} outside the {self.config.proposer} vocabulary [0, {n})",
+            )
 
     def _budget(self, budget: proposer_pb2.TreeBudget) -> proposer_pb2.TreeBudget:
         cfg = self.config

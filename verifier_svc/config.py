@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specmesh.server.flags import ServiceFlags, at_least, host_port
+from specmesh.server.flags import ServiceFlags
 from specmesh.server.packed_linear import add_linears_flag
 from verifier_svc.engine import EngineConfig
 from verifier_svc.local_proposer import inprocess_kind
@@ -34,16 +34,18 @@ class VerifierConfig:
 def build_flags() -> ServiceFlags:
     """The verifier's flags (``specmesh serve verifier --help``)."""
     f = ServiceFlags("specmesh serve verifier", "SpecMesh verifier service (target model).")
-    f.add("--address", "127.0.0.1:50051", str, "host:port to listen on")
+    f.add_address("--address", "127.0.0.1:50051", "host:port to listen on")
     f.add("--model", None, str, "HF model folder or .gguf; default SmolLM2-135M-Instruct")
     f.add("--device", None, str, "cpu, cuda, cuda:1 …; default: the GPU if present")
     f.add("--dtype", None, str, "float32, bfloat16, float16; default: float32 on CPU, bfloat16 on GPU")
-    f.add("--threads", 0, int, "torch threads (0 = torch's default)")
+    f.add("--threads", 0, int, "torch threads (0 = torch's default)", minimum=0)
     add_linears_flag(f)
-    f.add("--max-context", 0, int, "context tokens per request (0 = the model's maximum)")
-    f.add("--max-running", 32, int, "batch slots: requests decoded together")
-    f.add("--max-waiting", 64, int, "admitted requests that wait for a slot; beyond them: RESOURCE_EXHAUSTED")
-    f.add("--prefill-chunk", 512, int, "prompt tokens per prefill forward")
+    f.add("--max-context", 0, int, "context tokens per request (0 = the model's maximum)", minimum=0)
+    f.add("--max-running", 32, int, "batch slots: requests decoded together", minimum=1)
+    f.add(
+        "--max-waiting", 64, int, "admitted requests that wait for a slot; beyond them: RESOURCE_EXHAUSTED", minimum=0
+    )
+    f.add("--prefill-chunk", 512, int, "prompt tokens per prefill forward", minimum=1)
     f.add(
         "--proposer",
         [],
@@ -77,7 +79,13 @@ def build_flags() -> ServiceFlags:
         "(e.g. redis://:PASSWORD@redis:6379/0); empty = statistics in this process",
     )
     f.add("--stats-prefix", "specmesh:stats", str, "Redis key prefix")
-    f.add("--stats-half-life", 300.0, float, "seconds after which a statistic counts half (the router follows drift)")
+    f.add(
+        "--stats-half-life",
+        300.0,
+        float,
+        "seconds after which a statistic counts half (the router follows drift)",
+        minimum=1e-3,
+    )
     f.add(
         "--exploration",
         "thompson",
@@ -85,40 +93,28 @@ def build_flags() -> ServiceFlags:
         "how the router tries proposers whose statistics are uncertain",
         choices=["thompson", "ucb", "greedy"],
     )
-    f.add("--metrics-port", 0, int, "Prometheus /metrics port; 0 = off")
+    f.add("--metrics-port", 0, int, "Prometheus /metrics port; 0 = off", minimum=0)
     f.add(
         "--proposer-wait-ms",
         5.0,
         float,
         "longest wait per step for the requests' trees (a draft model needs about its proposal latency)",
+        minimum=0,
     )
     f.add(
         "--proposer-timeout",
         2.0,
         float,
         "seconds without any answer after which a request drops its proposer (and decodes plainly)",
+        minimum=1e-3,
     )
-    f.add("--grace", 30.0, float, "seconds running requests get to finish on SIGTERM")
+    f.add("--grace", 30.0, float, "seconds running requests get to finish on SIGTERM", minimum=0)
     return f
 
 
 def parse_args(argv: list[str] | None = None) -> VerifierConfig:
     p = build_flags()
     a = p.parse(argv)
-    host_port(p, "--address", a.address)
-    for flag, value, low in (
-        ("--threads", a.threads, 0),
-        ("--max-context", a.max_context, 0),
-        ("--max-running", a.max_running, 1),
-        ("--max-waiting", a.max_waiting, 0),
-        ("--prefill-chunk", a.prefill_chunk, 1),
-        ("--stats-half-life", a.stats_half_life, 1e-3),
-        ("--metrics-port", a.metrics_port, 0),
-        ("--proposer-wait-ms", a.proposer_wait_ms, 0),
-        ("--proposer-timeout", a.proposer_timeout, 1e-3),
-        ("--grace", a.grace, 0),
-    ):
-        at_least(p, flag, value, low)
     proposers = []
     for item in a.proposer:
         name, sep, addr = item.partition("=")

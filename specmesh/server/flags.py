@@ -57,6 +57,8 @@ class ServiceFlags:
             prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
         )
         self._bad_env: list[str] = []
+        self._minimum: dict[str, tuple[str, float]] = {}  # dest → (flag, least value), checked in parse
+        self._addresses: dict[str, str] = {}  # dest → flag, a HOST:PORT checked in parse
 
     def add(
         self,
@@ -68,10 +70,15 @@ class ServiceFlags:
         choices: Sequence[Any] | None = None,
         repeat: bool = False,
         metavar: str | None = None,
+        minimum: float | None = None,
     ) -> None:
         """``flag`` of type ``kind`` (``int``, ``float``, ``str``, ``boolean`` or any converter);
-        ``repeat``: the flag may be given several times and its value is a list."""
+        ``repeat``: the flag may be given several times and its value is a list; ``minimum``: the
+        least value ``parse`` accepts (from the command line or the variable)."""
         var = env_var(flag)
+        dest = flag.lstrip("-").replace("-", "_")
+        if minimum is not None:
+            self._minimum[dest] = (flag, minimum)
         raw = os.environ.get(var)
         if raw is not None:
             default = self._from_env(var, raw, kind, choices, repeat, default)
@@ -86,6 +93,17 @@ class ServiceFlags:
         if kind is boolean:
             kwargs["metavar"] = metavar or "{yes,no}"
         self.parser.add_argument(flag, **kwargs)
+
+    def add_address(self, flag: str, default: str, help: str) -> None:
+        """A HOST:PORT flag; ``parse`` refuses any other shape.
+
+        >>> f = ServiceFlags("x", "y")
+        >>> f.add_address("--address", "127.0.0.1:50051", "where to listen")
+        >>> f.parse([]).address
+        '127.0.0.1:50051'
+        """
+        self.add(flag, default, str, help)
+        self._addresses[flag.lstrip("-").replace("-", "_")] = flag
 
     def _from_env(
         self, var: str, raw: str, kind: Callable[[str], Any], choices: Sequence[Any] | None, repeat: bool, default: Any
@@ -106,26 +124,22 @@ class ServiceFlags:
         """The parsed flags; a bad variable or flag exits with one line (status 2), as argparse does."""
         if self._bad_env:
             self.parser.error("; ".join(self._bad_env))
-        return self.parser.parse_args(argv)
+        a = self.parser.parse_args(argv)
+        for dest, flag in self._addresses.items():
+            host, sep, port = getattr(a, dest).rpartition(":")
+            if not sep or not host or not port.isdigit():
+                self.error(f"{flag} expects HOST:PORT, got {getattr(a, dest)!r}")
+        for dest, (flag, low) in self._minimum.items():
+            at_least(self, flag, getattr(a, dest), low)
+        return a
 
     def error(self, message: str) -> NoReturn:
         self.parser.error(message)
 
 
-def host_port(flags: ServiceFlags, flag: str, value: str) -> str:
-    """``value`` if it is HOST:PORT, else a one-line flag error.
-
-    >>> host_port(ServiceFlags("x", "y"), "--address", "127.0.0.1:50051")
-    '127.0.0.1:50051'
-    """
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        flags.error(f"{flag} expects HOST:PORT, got {value!r}")
-    return value
-
-
 def at_least(flags: ServiceFlags, flag: str, value: float, low: float) -> Any:
-    """``value`` if it is ≥ ``low``, else a one-line flag error naming the limit."""
+    """``value`` if it is ≥ ``low``, else a one-line flag error naming the limit (for limits that
+    depend on another flag, e.g. ``--max-n`` ≥ ``--min-n``; fixed ones are ``add(minimum=…)``)."""
     if value < low:
         flags.error(f"{flag} must be >= {low}, got {value}")
     return value
