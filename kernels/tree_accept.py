@@ -1,7 +1,10 @@
 """Batched lossless acceptance of token trees on the device: a Triton kernel, its launcher, the torch reference.
 
-Same semantics as the host walk in ``verifier_svc.acceptance`` (``greedy_accept``, ``sample_accept``),
-for every request of a step in one launch, with one device-to-host copy of the result.
+Same semantics as the engine's host walk (``verifier_svc.acceptance``: ``greedy_accept``,
+``sample_accept``), for every request of a step in one launch, with one device-to-host copy of the
+result. That host walk is the one reference: the kernel tests compare against it draw for draw.
+This module takes tensors only; the sampling policy (temperature / top-k / top-p, the seeded
+uniforms) stays with the caller (``verifier_svc.batch_accept.accept_on_device``).
 
 Layout (ragged, no padding): request ``b`` owns target rows ``row_offsets[b] .. row_offsets[b+1]-1``
 (its pending token, then its ``n_b`` tree nodes) and nodes ``row_offsets[b] - b ..`` of ``tokens`` /
@@ -9,14 +12,13 @@ Layout (ragged, no padding): request ``b`` owns target rows ``row_offsets[b] .. 
 sparse distribution its proposer sampled from (``draft_ids`` / ``draft_probs``, ``[nodes, K]``,
 padded with id -1); a deterministic one uses q = one-hot(token).
 
-Split of work: everything parallel over rows happens in torch before the kernel (temperature /
-top-k / top-p via ``specmesh.server.sampling.filter_logits``, softmax, argmax, row sums, q
-normalisation, first-child / next-sibling links, the table of counter-based uniforms from
-``specmesh.server.sampling.uniform``, so bit-identical to the host walk's); the kernel does the
-sequential part, one program per request: the walk down the tree with scalar loads, the child
-tests, the residual updates (in a float64 scratch row, written only at a level's first rejection)
-and the inverse-CDF bonus draw. Float sums run in a different order than NumPy's, so a draw can
-differ from the host walk only when a uniform falls within rounding (~1e-16) of a boundary.
+Split of work: everything parallel over rows happens in torch before the kernel (the caller's
+filtered probabilities, argmax and table of uniforms; here row sums, q normalisation,
+first-child / next-sibling links); the kernel does the sequential part, one program per request:
+the walk down the tree with scalar loads, the child tests, the residual updates (in a float64
+scratch row, written only at a level's first rejection) and the inverse-CDF bonus draw. Float sums
+run in a different order than NumPy's, so a draw can differ from the host walk only when a uniform
+falls within rounding (~1e-16) of a boundary.
 
 Output: int64 ``[b, 2 + max_nodes]``: column 0 the number of accepted nodes, column 1 the bonus
 token, columns ``2 ..`` the accepted node indices (0-based tree nodes, root to leaf).
@@ -30,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from specmesh.server.sampling import filter_logits, uniform
 from specmesh_kernels._runtime import runnable
 
 MAX_NODES = 63  # as tree attention: pending token + 63 nodes in one int64 bitmask
@@ -103,104 +104,6 @@ def unpack_result(out: torch.Tensor) -> list[tuple[list[int], int]]:
     """
     rows = out.tolist()
     return [(r[2 : 2 + r[0]], r[1]) for r in rows]
-
-
-# --- torch reference -----------------------------------------------------------------------
-
-
-def tree_accept_reference(
-    probs: torch.Tensor,
-    argmax: torch.Tensor,
-    trees: PackedTrees,
-    greedy: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-) -> torch.Tensor:
-    """The walk of :func:`tree_accept_kernel_launch`, one request at a time in torch (float64).
-
-    probs: [rows, vocab] target distributions (filtered; rows of greedy requests unused);
-    argmax: int64 [rows]; greedy bool [b]; seeds, positions int64 [b] → int64 [b, 2 + max_nodes].
-    """
-    n_req = trees.row_offsets.shape[0] - 1
-    width = 2 + max(trees.max_nodes, 0)
-    out = torch.full((n_req, width), -1, dtype=torch.int64)
-    offs = trees.row_offsets.tolist()
-    uniforms = walk_uniforms(seeds.cpu(), positions.cpu(), width - 1)  # [b, depth, salt]
-    for b in range(n_req):
-        row0, n = offs[b], offs[b + 1] - offs[b] - 1
-        node0 = row0 - b
-        par = trees.parents[node0 : node0 + n].tolist()
-        tok = trees.tokens[node0 : node0 + n].tolist()
-        kids: list[list[int]] = [[] for _ in range(n + 1)]  # children as node indices (root = 0)
-        for i, p in enumerate(par):
-            kids[p + 1].append(i + 1)
-        cur, path = 0, []
-        while True:
-            depth = len(path)
-            if bool(greedy[b]):
-                want = int(argmax[row0 + cur])
-                nxt = next((c for c in kids[cur] if tok[c - 1] == want), None)
-                if nxt is None:
-                    bonus = want
-                    break
-                path.append(nxt - 1)
-                cur = nxt
-                continue
-            p_row = probs[row0 + cur].double().cpu()
-            residual, total = p_row.clone(), float(p_row.sum())
-            accepted = None
-            for j, child in enumerate(kids[cur]):
-                x = tok[child - 1]
-                u = float(uniforms[b, depth, 1 + j])
-                rx = float(residual[x])
-                if not bool(trees.stochastic[b]):
-                    if u * total < rx:
-                        accepted = child
-                        break
-                    residual[x] = 0.0
-                    total -= rx
-                else:
-                    valid = trees.draft_ids[node0 + child - 1] >= 0
-                    ids = trees.draft_ids[node0 + child - 1][valid].cpu()
-                    q = trees.draft_probs[node0 + child - 1][valid].cpu()
-                    qx = float(q[(ids == x).nonzero()[0, 0]]) if bool((ids == x).any()) else 0.0
-                    if u * qx * total < rx:
-                        accepted = child
-                        break
-                    residual[ids] = torch.clamp(residual[ids] - q * total, min=0.0)
-                    total = float(residual.sum())
-                if total <= 0:
-                    residual, total = p_row.clone(), float(p_row.sum())
-            if accepted is None:
-                cdf = torch.cumsum(residual, 0)
-                target = float(uniforms[b, depth, 0]) * float(cdf[-1])
-                bonus = min(int((cdf <= target).sum()), cdf.shape[0] - 1)
-                break
-            path.append(accepted - 1)
-            cur = accepted
-        out[b, 0], out[b, 1] = len(path), bonus
-        out[b, 2 : 2 + len(path)] = torch.tensor(path, dtype=torch.int64)
-    return out
-
-
-def walk_uniforms(seeds: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
-    """``acceptance_uniforms`` on the device: float64 [b, n, n], entry [i, d, s] = uniform(seed_i, position_i + d, s).
-
-    >>> u = walk_uniforms(torch.tensor([3]), torch.tensor([10]), 2)
-    >>> from verifier_svc.acceptance import acceptance_uniforms
-    >>> bool((u.numpy() == acceptance_uniforms(torch.tensor([3]), torch.tensor([10]), 2, 2)).all())
-    True
-    """
-    b, dev = seeds.shape[0], seeds.device
-    ar = torch.arange(n, device=dev)
-    counters = (positions[:, None, None] + ar[None, :, None]).expand(b, n, n)
-    salts = ar[None, None, :].expand(b, n, n)
-    return uniform(seeds[:, None, None].expand(b, n, n).reshape(-1), counters.reshape(-1), salts.reshape(-1)).view(
-        b, n, n
-    )
-
-
-# --- kernel ----------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -388,15 +291,19 @@ def tree_accept_kernel_launch(
     argmax: torch.Tensor,
     trees: PackedTrees,
     greedy: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
+    uniforms: torch.Tensor,
     max_nodes: int | None = None,
 ) -> torch.Tensor:
-    """Acceptance of every tree of the batch in one launch; same contract as :func:`tree_accept_reference`.
+    """Acceptance of every tree of the batch in one launch: per request, the walk of
+    ``verifier_svc.acceptance`` (greedy rows follow ``argmax``, sampled rows test children against
+    ``probs`` and draw the bonus from the residual).
 
-    probs: fp32/fp64 [rows, vocab] (last dim contiguous); argmax int64 [rows]; greedy bool [b];
-    seeds, positions int64 [b]; ``max_nodes`` (host bound on nodes per tree; read from the device
-    when omitted) → int64 [b, 2 + max_nodes] on the device, unused path entries -1.
+    probs: fp32/fp64 [rows, vocab] (last dim contiguous; the caller's filtered target
+    distributions, rows of greedy requests unused); argmax int64 [rows]; greedy bool [b];
+    uniforms float64 [b, max_nodes + 1, max_nodes + 1], entry [i, d, s] for request i's token at
+    depth d (salt 0: the residual draw, salt 1 + j: the test of child j); ``max_nodes`` (host
+    bound on nodes per tree; read from the device when omitted) → int64 [b, 2 + max_nodes] on the
+    device, unused path entries -1.
     """
     n_req = trees.row_offsets.shape[0] - 1
     rows, vocab = probs.shape
@@ -409,13 +316,22 @@ def tree_accept_kernel_launch(
         raise ValueError(f"{rows} target rows for {n_req} requests and {n_nodes} nodes (want nodes + requests)")
     if trees.draft_ids.shape != trees.draft_probs.shape or trees.draft_ids.shape[0] != n_nodes:
         raise ValueError("draft_ids / draft_probs must both be [nodes, K]")
-    for name, t in (("greedy", greedy), ("seeds", seeds), ("positions", positions)):
-        if t.shape != (n_req,):
-            raise ValueError(f"{name} must be [{n_req}], got {tuple(t.shape)}")
+    if greedy.shape != (n_req,):
+        raise ValueError(f"greedy must be [{n_req}], got {tuple(greedy.shape)}")
     if max_nodes is None:
         max_nodes = trees.max_nodes
     if max_nodes > MAX_NODES:
         raise ValueError(f"{max_nodes} nodes: tree acceptance takes at most {MAX_NODES}")
+    n = max_nodes + 1
+    if (
+        uniforms.dtype != torch.float64
+        or uniforms.dim() != 3
+        or uniforms.shape[0] != n_req
+        or min(uniforms.shape[1:]) < n
+    ):
+        raise ValueError(
+            f"uniforms must be float64 [{n_req}, >= {n}, >= {n}], got {uniforms.dtype} {tuple(uniforms.shape)}"
+        )
     dev = probs.device
     out = torch.full((n_req, 2 + max_nodes), -1, dtype=torch.int64, device=dev)
     if n_req == 0:
@@ -425,7 +341,7 @@ def tree_accept_kernel_launch(
     q = q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)  # as the host walk normalises
     sampled = ~greedy.to(torch.bool)
     scratch = torch.empty(n_req if bool(sampled.any()) else 1, vocab, dtype=torch.float64, device=dev)
-    u = walk_uniforms(seeds, positions, max_nodes + 1)  # [b, depth, salt]
+    u = uniforms.contiguous()  # [b, depth, salt]
     first_child, next_sibling = tree_links(trees.row_offsets, trees.parents, max_nodes, rows)
     own = trees.draft_ids == trees.tokens[:, None]  # [nodes, K]: where each node's token sits in its q
     qx = torch.where(own, q, torch.zeros_like(q)).sum(dim=-1)  # [nodes] q(x) of the node's own token
@@ -457,30 +373,3 @@ def tree_accept_kernel_launch(
         BLOCK_V=1024,
     )
     return out
-
-
-def tree_accept(
-    logits: torch.Tensor,
-    trees: PackedTrees,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    max_nodes: int | None = None,
-) -> torch.Tensor:
-    """Lossless acceptance for a whole step from the target's logits; one int64 [b, 2 + max_nodes] tensor.
-
-    logits [rows, vocab] (rows as in :class:`PackedTrees`); temperature, top_p float [b] (temperature
-    0 = greedy); top_k, seeds, positions int64 [b] (``positions``: the RNG counter of depth 0, what the
-    engine passes to ``acceptance_uniforms``). Temperature / top-k / top-p and
-    the softmax run in torch over all rows before the kernel (``filter_logits``); greedy requests
-    use the plain argmax. Copy the result to the host once (``unpack_result(out.cpu())``).
-    """
-    counts = trees.row_offsets[1:] - trees.row_offsets[:-1]  # [b]
-    greedy = temperature <= 0
-    per_row = lambda t: torch.repeat_interleave(t, counts)  # noqa: E731
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    filtered = filter_logits(logits, per_row(temp), per_row(top_p), per_row(top_k))
-    probs = torch.softmax(filtered, dim=-1)  # [rows, vocab] fp32
-    return tree_accept_kernel_launch(probs, logits.argmax(dim=-1), trees, greedy, seeds, positions, max_nodes)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specmesh_router.cost_model import CostFn
+from specmesh_router.estimate import Posterior, RequestEstimate, expected_accepted, posterior
 from specmesh_router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
 from specmesh_router.stats import AcceptanceStats, StatsBackend, StatsKey
 
@@ -50,20 +51,6 @@ class SelectionConfig:
 
 
 @dataclass(frozen=True)
-class Posterior:
-    """Beta(a[d], b[d]) over the acceptance of one proposer's draft token at depth d + 1."""
-
-    proposer: str
-    a: tuple[float, ...]
-    b: tuple[float, ...]
-    wait_s: float = 0.0  # mean verifier wait for this proposer's draft, per step
-    evidence: float = 0.0  # decayed steps behind the posterior
-
-    def means(self) -> list[float]:
-        return [a / (a + b) for a, b in zip(self.a, self.b, strict=True)]
-
-
-@dataclass(frozen=True)
 class Decision:
     proposer: str  # whose stream the request should have ("none": no stream)
     k: int  # draft tokens to verify per step now; 0 = plain decoding (the stream may stay for statistics)
@@ -75,40 +62,6 @@ class Decision:
     @property
     def speculate(self) -> bool:
         return self.k > 0 and self.proposer != "none"
-
-
-def posterior(
-    proposer: str,
-    stats: AcceptanceStats | None,
-    pooled: AcceptanceStats | None,
-    config: SelectionConfig,
-    depth: int,
-) -> Posterior:
-    """Per-depth Beta posteriors. Prior mean at depth d: the pooled (all workload tags) statistics
-    where they exist, else the posterior mean one level up (depth 1: ``config.prior_mean``).
-
-    >>> cfg = SelectionConfig(prior_mean=0.5, prior_strength=2.0)
-    >>> p = posterior("ngram", AcceptanceStats(steps=10.0, hits=(8.0,), trials=(10.0,)), None, cfg, depth=2)
-    >>> p.a, p.b    # depth 2: no data, prior mean = depth 1's 9/12
-    ((9.0, 1.5), (3.0, 0.5))
-    """
-    s = config.prior_strength
-    stats = stats or AcceptanceStats()
-    a: list[float] = []
-    b: list[float] = []
-    mean = config.prior_mean
-    for d in range(depth):
-        if pooled is not None and d < len(pooled.trials) and pooled.trials[d] > 0:
-            mean = (_at(pooled.hits, d) + mean * s) / (pooled.trials[d] + s)
-        hits, trials = _at(stats.hits, d), _at(stats.trials, d)
-        a.append(mean * s + hits)
-        b.append((1 - mean) * s + max(trials - hits, 0.0))
-        mean = a[-1] / (a[-1] + b[-1])
-    return Posterior(proposer, tuple(a), tuple(b), stats.proposer_s_per_step, stats.steps)
-
-
-def _at(xs: tuple[float, ...], d: int) -> float:
-    return xs[d] if d < len(xs) else 0.0
 
 
 def draw_alphas(
@@ -140,19 +93,6 @@ def draw_alphas(
             for m, a, b in zip(means, post.a, post.b, strict=True)
         ]
     return means
-
-
-def expected_accepted(alphas: Sequence[float]) -> list[float]:
-    """E(k) for k = 0 … len(alphas): draft tokens a k-token draft gets accepted on average.
-
-    >>> expected_accepted([0.5, 0.5, 0.5])
-    [0.0, 0.5, 0.75, 0.875]
-    """
-    out, reach = [0.0], 1.0
-    for alpha in alphas:
-        reach *= alpha
-        out.append(out[-1] + reach)
-    return out
 
 
 def best_k(alphas: Sequence[float], step_time: StepTime, batch: int, wait_s: float) -> tuple[int, float, float]:
@@ -292,7 +232,7 @@ class Router:
         for p in proposers:
             own = snap.get(StatsKey(self.model, p, workload_tag))
             pooled = snap.get(StatsKey(self.model, p, "")) if workload_tag else None
-            out.append(posterior(p, own, pooled, self.config, depth))
+            out.append(posterior(p, own, pooled, self.config.prior_mean, self.config.prior_strength, depth))
         return out
 
     def decide(
@@ -303,10 +243,13 @@ class Router:
         batch: int = 1,
         current: str | None = None,
         exclude: tuple[str, ...] = (),
+        estimate: RequestEstimate | None = None,
     ) -> Decision:
         """Proposer and k for a request (at its start, and again every few steps with ``current``).
 
-        ``exclude``: proposers that cannot serve this request (e.g. rag without a corpus)."""
+        ``exclude``: proposers that cannot serve this request (e.g. rag without a corpus).
+        ``estimate``: the request's own acceptance under ``current``; it replaces the shared
+        posterior of that proposer, so the k chosen and the verifier's width gate read one model."""
         policy = self.policy.get()
         available = tuple(n for n in self.available if n not in exclude)
         names, why = candidates(requested, policy, available)
@@ -315,11 +258,13 @@ class Router:
             return Decision("none", 0, baseline, baseline, reason=why)
         cap = k_cap(self.config, num_speculative_tokens, policy.num_speculative_tokens)
         posts = self.posteriors(names, workload_tag, cap)
+        if estimate is not None:
+            posts = [estimate.posterior(p, cap) if p.proposer == current else p for p in posts]
         with self._rng_lock:
             return choose(posts, self.step_time, max(batch, 1), cap, self.config, self._rng, current)
 
-    def mean_alpha(self, proposer: str, workload_tag: str = "", depth: int = 4) -> float:
-        """Per-token acceptance over the first ``depth`` levels (posterior means, averaged): a prior
-        for a request's own acceptance estimate."""
-        means = self.posteriors([proposer], workload_tag, depth)[0].means()
-        return sum(means) / len(means)
+    def estimate(self, proposer: str, workload_tag: str = "") -> RequestEstimate:
+        """A new request's acceptance estimate under ``proposer``: the shared posterior's means
+        (over every depth a tree may reach) as its prior."""
+        post = self.posteriors([proposer], workload_tag, self.config.max_k)[0]
+        return RequestEstimate.from_posterior(post, self.config.prior_mean)

@@ -57,19 +57,20 @@ def greedy_accept(tree: TokenTree, argmax: list[int]) -> tuple[list[int], int]:
         cur = nxt
 
 
-def acceptance_uniforms(seeds: torch.Tensor, positions: torch.Tensor, n_depth: int, n_salt: int) -> np.ndarray:
-    """Uniforms for a batch of acceptance walks, in one vectorised call.
+def acceptance_uniforms(seeds: torch.Tensor, positions: torch.Tensor, n_depth: int, n_salt: int) -> torch.Tensor:
+    """Uniforms for a batch of acceptance walks, in one vectorised call on the seeds' device (the
+    host walk reads them as ``.numpy()``, the device kernel as they are).
 
     seeds, positions: int64 [b] → float64 [b, n_depth, n_salt], entry [i, d, s] =
     ``uniform(seed_i, position_i + d, salt=s)``: the token at sequence position
     ``position + d`` uses salt 1 + j to test its j-th child and salt 0 to draw from the
     residual, so plain decoding (no children) draws exactly as ``sample_next`` does.
     """
-    b = seeds.shape[0]
-    counters = (positions[:, None, None] + torch.arange(n_depth)[None, :, None]).expand(b, n_depth, n_salt)
-    salts = torch.arange(n_salt)[None, None, :].expand(b, n_depth, n_salt)
+    b, dev = seeds.shape[0], seeds.device
+    counters = (positions[:, None, None] + torch.arange(n_depth, device=dev)[None, :, None]).expand(b, n_depth, n_salt)
+    salts = torch.arange(n_salt, device=dev)[None, None, :].expand(b, n_depth, n_salt)
     seeds3 = seeds[:, None, None].expand(b, n_depth, n_salt)
-    return uniform(seeds3.reshape(-1), counters.reshape(-1), salts.reshape(-1)).view(b, n_depth, n_salt).numpy()
+    return uniform(seeds3.reshape(-1), counters.reshape(-1), salts.reshape(-1)).view(b, n_depth, n_salt)
 
 
 def walk_shape(tree: TokenTree) -> tuple[int, int]:
@@ -87,7 +88,7 @@ def sample_accept(tree: TokenTree, probs: torch.Tensor, u: np.ndarray) -> tuple[
 
     >>> p = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5], [0.0, 0.0, 1.0]], dtype=torch.float64)
     >>> tree = TokenTree(tokens=[2, 1], parents=[-1, -1])   # root children: 2 (p=0), then 1 (p=1)
-    >>> u = acceptance_uniforms(torch.tensor([3]), torch.tensor([10]), *walk_shape(tree))[0]
+    >>> u = acceptance_uniforms(torch.tensor([3]), torch.tensor([10]), *walk_shape(tree))[0].numpy()
     >>> sample_accept(tree, p, u)   # 2 rejected, 1 accepted, bonus from row 2
     ([1], 2)
     """

@@ -1,31 +1,22 @@
-"""Acceptance dispatch for one verification step: every request's (accepted path, bonus token).
+"""Acceptance dispatch for one verification step: every request's (accepted path, bonus token);
+and the plain draw of a prefill's first token.
 
 Greedy rows take the host walk on one argmax copy; sampled rows are filtered (temperature,
 top-p, top-k) and walked with their counter-based uniforms (``acceptance``). On CUDA the whole
-batch is walked on the device instead (``specmesh_kernels.tree_accept``: the same uniforms and
-rules, one device-to-host copy for the step).
+batch is walked on the device instead (:func:`accept_on_device`: the same probabilities and
+uniforms handed to ``specmesh_kernels.tree_accept``, one device-to-host copy for the step).
 """
 
 from __future__ import annotations
 
 import torch
 
-from specmesh.server.sampling import filter_logits
+from specmesh.server.sampling import filter_logits, repeat_rows, sample_next
 from specmesh.server.tree import TokenTree
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.requests import GenerationRequest
 
 KERNEL_MAX_NODES = 63  # the device acceptance / tree-attention kernels' ancestor bitmask: 64 rows
-
-
-def repeat_rows(values: list, repeats: list[int], device: torch.device) -> torch.Tensor:
-    """``values[i]`` repeated ``repeats[i]`` times, as one tensor: a request's setting for each of
-    its logits rows.
-
-    >>> repeat_rows([0.5, 1.0], [2, 1], torch.device("cpu")).tolist()
-    [0.5, 0.5, 1.0]
-    """
-    return torch.repeat_interleave(torch.tensor(values, device=device), torch.tensor(repeats, device=device))
 
 
 def accept_batch(
@@ -41,7 +32,7 @@ def accept_batch(
     ``context_lengths``: each request's tokens so far (the uniforms' counters).
     """
     if logits.device.type == "cuda" and max(len(t) for t in trees) <= KERNEL_MAX_NODES:
-        return _accept_on_device(reqs, context_lengths, trees, logits)
+        return accept_on_device(reqs, context_lengths, trees, logits)
     argmax = logits.argmax(dim=-1).tolist()  # one host copy for every greedy decision
     starts = [0]
     for c in counts:
@@ -52,24 +43,16 @@ def accept_batch(
         if reqs[i].temperature == 0:
             results[i] = greedy_accept(tree, argmax[starts[i] : starts[i + 1]])
     if sampled:
-        dev = logits.device
-        idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sampled]).to(dev)
-        per_row = [counts[i] for i in sampled]
+        idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sampled]).to(logits.device)
         req = [reqs[i] for i in sampled]
-        filtered = filter_logits(
-            logits[idx],
-            repeat_rows([r.temperature for r in req], per_row, dev),
-            repeat_rows([r.top_p for r in req], per_row, dev),
-            repeat_rows([r.top_k for r in req], per_row, dev),
-        )
-        probs = torch.softmax(filtered, dim=-1)  # [sum over sampled rows, vocab]
+        probs = target_probs(logits[idx], req, [counts[i] for i in sampled])  # [sum over sampled rows, vocab]
         shapes = [walk_shape(trees[i]) for i in sampled]
         u = acceptance_uniforms(
             torch.tensor([r.seed for r in req]),
             torch.tensor([context_lengths[i] for i in sampled]),
             max(d for d, _ in shapes),
             max(k for _, k in shapes),
-        )
+        ).numpy()
         offset = 0
         for j, i in enumerate(sampled):
             results[i] = sample_accept(trees[i], probs[offset : offset + counts[i]], u[j])
@@ -77,23 +60,59 @@ def accept_batch(
     return results  # type: ignore[return-value]
 
 
-def _accept_on_device(
+def target_probs(logits: torch.Tensor, reqs: list[GenerationRequest], rows_per_req: list[int]) -> torch.Tensor:
+    """Each request's sampling distribution (temperature, top-p, top-k; temperature 0 as 1) over
+    its logits rows: [rows, vocab] → [rows, vocab] probabilities."""
+    dev = logits.device
+    temperature = [r.temperature if r.temperature > 0 else 1.0 for r in reqs]
+    filtered = filter_logits(
+        logits,
+        repeat_rows(temperature, rows_per_req, dev),
+        repeat_rows([r.top_p for r in reqs], rows_per_req, dev),
+        repeat_rows([r.top_k for r in reqs], rows_per_req, dev),
+    )
+    return torch.softmax(filtered, dim=-1).nan_to_num(0.0)  # a row of NaN logits: no mass, not NaN
+
+
+def accept_on_device(
     reqs: list[GenerationRequest], context_lengths: list[int], trees: list[TokenTree], logits: torch.Tensor
 ) -> list[tuple[list[int], int]]:
-    from specmesh_kernels.tree_accept import PackedTrees, tree_accept, unpack_result
+    """The whole step's acceptance in one kernel launch: the policy (filtered probabilities, the
+    seeded uniforms) computed here, the walk in ``specmesh_kernels.tree_accept``."""
+    from specmesh_kernels.tree_accept import PackedTrees, tree_accept_kernel_launch, unpack_result
 
     dev = logits.device
     packed = PackedTrees.from_lists(
         [t.tokens for t in trees], [t.parents for t in trees], [t.dists for t in trees], device=dev
     )
-    out = tree_accept(
-        logits,
-        packed,
-        torch.tensor([r.temperature for r in reqs], device=dev),
-        torch.tensor([r.top_p for r in reqs], device=dev),
-        torch.tensor([r.top_k for r in reqs], device=dev),
+    max_nodes = max(len(t) for t in trees)
+    u = acceptance_uniforms(  # the host walk's counters: each request's tokens so far
         torch.tensor([r.seed for r in reqs], device=dev),
-        torch.tensor(context_lengths, device=dev),  # the host walk's uniform counters
-        max_nodes=max(len(t) for t in trees),
+        torch.tensor(context_lengths, device=dev),
+        max_nodes + 1,
+        max_nodes + 1,
+    )
+    out = tree_accept_kernel_launch(
+        target_probs(logits, reqs, [len(t) + 1 for t in trees]),
+        logits.argmax(dim=-1),
+        packed,
+        torch.tensor([r.temperature <= 0 for r in reqs], device=dev),
+        u,
+        max_nodes=max_nodes,
     )
     return unpack_result(out.cpu())  # the step's one device-to-host copy
+
+
+def sample_tokens(reqs: list[GenerationRequest], context_lengths: list[int], logits: torch.Tensor) -> list[int]:
+    """One token per request from its logits row (greedy or seeded sampling; the uniform counter is
+    the request's tokens so far, as the acceptance walk uses it)."""
+    dev = logits.device
+    tensor = lambda xs: torch.tensor(xs, device=dev)  # noqa: E731
+    return sample_next(
+        logits,
+        tensor([r.temperature for r in reqs]),
+        tensor([r.top_p for r in reqs]),
+        tensor([r.top_k for r in reqs]),
+        tensor([r.seed for r in reqs]),
+        tensor(context_lengths),
+    ).tolist()  # one host copy

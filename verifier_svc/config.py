@@ -8,6 +8,7 @@ from specmesh.server.flags import ServiceFlags
 from specmesh.server.packed_linear import add_linears_flag
 from verifier_svc.engine import EngineConfig
 from verifier_svc.local_proposer import inprocess_kind
+from verifier_svc.speculation import SpeculationConfig
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
             max_running=a.max_running,
             max_waiting=a.max_waiting,
             prefill_chunk_tokens=a.prefill_chunk,
-            proposer_wait_ms=a.proposer_wait_ms,
-            proposer_timeout_s=a.proposer_timeout,
+            speculation=SpeculationConfig(proposer_wait_ms=a.proposer_wait_ms, proposer_timeout_s=a.proposer_timeout),
         ),
     )
 

@@ -1,30 +1,82 @@
 """Incremental detokenization with stop strings.
 
-Decoding token by token breaks multi-byte characters and word-boundary spaces, so each step
-decodes a short window (from ``prefix_offset``) and emits only the text past what the window
-already produced, waiting while the tail is an incomplete character (U+FFFD).
+Decoding token by token breaks multi-byte characters and word-boundary spaces. A fast
+(Rust-backed) tokenizer decodes incrementally with ``tokenizers``' own ``DecodeStream``
+(:class:`StreamDetokenizer`: state kept in Rust, O(1) per token, primed with the prompt's tail so
+the first output token decodes in context). Any other tokenizer takes the window method
+(:class:`WindowDetokenizer`): each step decodes a short window (from ``prefix_offset``) and emits
+only the text past what the window already produced, waiting while the tail is an incomplete
+character (U+FFFD). :func:`detokenizer_for` picks one.
+
 Text that could still be the start of a stop string is held back until it cannot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 _REPLACEMENT = "\ufffd"
-# How many prompt tokens seed the decode window, so the first output token decodes in context.
+# How many prompt tokens seed the decoder, so the first output token decodes in context.
 _CONTEXT_TOKENS = 5
 
 
+class Detokenizer(Protocol):
+    def push(self, new_ids: list[int]) -> str:
+        """Append tokens and return the text they complete (possibly empty)."""
+        ...
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is left, replacement characters included."""
+        ...
+
+
+def detokenizer_for(tokenizer: Any, prompt_ids: list[int]) -> Detokenizer:
+    """``DecodeStream`` where the tokenizer has a Rust backend, else the window method."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return StreamDetokenizer.for_prompt(tokenizer, backend, prompt_ids)
+    return WindowDetokenizer.for_prompt(tokenizer, prompt_ids)
+
+
 @dataclass
-class IncrementalDetokenizer:
+class StreamDetokenizer:
+    tokenizer: Any  # the transformers tokenizer: decodes what the stream still holds at the end
+    backend: Any  # its ``tokenizers.Tokenizer``
+    stream: Any  # tokenizers.decoders.DecodeStream
+    held: list[int] = field(default_factory=list)  # pushed ids whose text the stream has not returned yet
+
+    @classmethod
+    def for_prompt(cls, tokenizer: Any, backend: Any, prompt_ids: list[int]) -> StreamDetokenizer:
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(ids=list(prompt_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=True)
+        return cls(tokenizer, backend, stream)
+
+    def push(self, new_ids: list[int]) -> str:
+        if not new_ids:
+            return ""
+        text = self.stream.step(self.backend, new_ids)
+        if text is None:
+            self.held.extend(new_ids)
+            return ""
+        self.held.clear()
+        return text
+
+    def flush(self) -> str:
+        held, self.held = self.held, []
+        return self.tokenizer.decode(held, skip_special_tokens=True) if held else ""
+
+
+@dataclass
+class WindowDetokenizer:
     tokenizer: Any
     ids: list[int]  # prompt tail + output tokens
     prefix_offset: int = 0
     read_offset: int = 0
 
     @classmethod
-    def for_prompt(cls, tokenizer: Any, prompt_ids: list[int]) -> IncrementalDetokenizer:
+    def for_prompt(cls, tokenizer: Any, prompt_ids: list[int]) -> WindowDetokenizer:
         tail = list(prompt_ids[-_CONTEXT_TOKENS:])
         return cls(tokenizer, tail, prefix_offset=0, read_offset=len(tail))
 
@@ -32,11 +84,10 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, new_ids: list[int]) -> str:
-        """Append tokens and return the text they complete (possibly empty).
-
+        """
         >>> class Bytes:  # a toy byte-level tokenizer: id = byte value
         ...     def decode(self, ids, **kw): return bytes(ids).decode("utf-8", errors="replace")
-        >>> d = IncrementalDetokenizer.for_prompt(Bytes(), [])
+        >>> d = WindowDetokenizer.for_prompt(Bytes(), [])
         >>> [d.push([b]) for b in "é!".encode()]
         ['', 'é', '!']
         """
@@ -49,7 +100,6 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
-        """At the end of generation: whatever is left, replacement characters included."""
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)

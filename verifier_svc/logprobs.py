@@ -13,11 +13,16 @@ to fp32 reduction order: the logprobs a request sees do not depend on whether it
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from specmesh.server.sampling import filter_logits
+from specmesh.server.sampling import filter_logits, repeat_rows
+
+if TYPE_CHECKING:
+    from verifier_svc.requests import GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -67,4 +72,32 @@ def token_logprobs(
     for c, n, vals, ids in zip(host_chosen, n_top, host_vals, host_ids, strict=True):
         keep = [j for j in range(n) if math.isfinite(vals[j])]
         out.append(TokenLogprob(c, tuple(ids[j] for j in keep), tuple(vals[j] for j in keep)))
+    return out
+
+
+def step_logprobs(
+    reqs: list[GenerationRequest], logits: torch.Tensor, drawn: Callable[[int], tuple[list[int], list[int]]]
+) -> list[list[TokenLogprob] | None]:
+    """Per request of a step, its emitted tokens' logprobs (None where it did not ask). ``drawn(i)``:
+    the logits rows and the tokens request i emitted from them, asked only of requests that want
+    logprobs. One computation and one host copy for the whole step."""
+    want = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+    out: list[list[TokenLogprob] | None] = [None] * len(reqs)
+    if not want:
+        return out
+    dev = logits.device
+    draws = [drawn(i) for i in want]
+    req = [reqs[i] for i in want]
+    per_row = [len(rows) for rows, _ in draws]
+    flat = token_logprobs(
+        logits[torch.tensor([r for rows, _ in draws for r in rows], device=dev)],
+        torch.tensor([t for _, tokens in draws for t in tokens], device=dev),
+        repeat_rows([r.temperature for r in req], per_row, dev),
+        repeat_rows([r.top_p for r in req], per_row, dev),
+        repeat_rows([r.top_k for r in req], per_row, dev),
+        [r.logprobs or 0 for r, n in zip(req, per_row, strict=True) for _ in range(n)],
+    )
+    offset = 0
+    for i, n in zip(want, per_row, strict=True):
+        out[i], offset = flat[offset : offset + n], offset + n
     return out

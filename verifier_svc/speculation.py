@@ -4,11 +4,13 @@ The engine asks once per decode step (:meth:`SpeculationControl.collect_trees`) 
 each step accepted (:meth:`SpeculationControl.after_step`). In between, per request:
 
 - the proposer stream (a :class:`ProposerSession`: a gRPC stream or an in-process proposer);
-- its own per-token acceptance estimate α, seeded by the router's shared statistics and fed by
-  every verified tree and by every skipped tree scored against the tokens emitted after it;
+- its acceptance estimate per depth (``specmesh_router.estimate.RequestEstimate``), seeded by the
+  router's shared statistics and fed by every verified tree and by every skipped tree scored
+  against the tokens emitted after it;
 - the cost gate: trees are cut to the batch's best width by the measured step cost (maybe to
-  nothing: plain decoding this step), from α;
-- every ``redecide_steps`` steps the router revisits the proposer and k (a new stream opens).
+  nothing: plain decoding this step), from that estimate;
+- every ``redecide_steps`` steps the router revisits the proposer and k from the same estimate (a
+  new proposer's stream opens with a fresh estimate from the shared statistics).
 """
 
 from __future__ import annotations
@@ -16,24 +18,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from specmesh.server.tree import TokenTree, depths, follow, truncate
 from specmesh_router.cost_model import LiveStepCost, choose_width
+from specmesh_router.estimate import RequestEstimate, expected_accepted, levels_sample
 from specmesh_router.stats import AcceptanceStats
+from verifier_svc.events import EngineStats, ProposerCounts, SpecCounters
 from verifier_svc.proposer_client import ProposerLimits, wait_for_trees
 from verifier_svc.requests import GenerationRequest
 
 if TYPE_CHECKING:
     from specmesh.server.metrics import VerifierMetrics
     from specmesh_router.selection import Router
-    from verifier_svc.engine import EngineStats, _Sequence
+    from verifier_svc.sequence import Sequence
 
 log = logging.getLogger(__name__)
 EMPTY_TREE = TokenTree([], [])
-_EWMA = 0.3  # weight of the newest step in a request's acceptance estimate
 
 
 class ProposerSession(Protocol):
@@ -65,38 +68,6 @@ SessionFactory = Callable[[GenerationRequest, str, list[int]], ProposerSession |
 
 
 @dataclass
-class ProposerCounts:
-    steps: int = 0  # verification steps that carried this proposer's tree
-    drafted: int = 0
-    accepted: int = 0
-
-
-@dataclass
-class SpecCounters:
-    """Speculation counters of one request (live on the sequence, final in FinishEvent)."""
-
-    proposer: str = "none"
-    steps: int = 0  # verification steps that carried a tree
-    drafted: int = 0
-    accepted: int = 0
-    wait_s: float = 0.0  # waiting for proposals
-    invalid_trees: int = 0
-    fallback_reason: str = ""
-    accepted_hist: list[int] = field(default_factory=list)  # [k] = steps that accepted k draft tokens
-    per_proposer: dict[str, ProposerCounts] = field(default_factory=dict)
-
-    def count_step(self, drafted: int, accepted: int) -> None:
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        c = self.per_proposer.setdefault(self.proposer, ProposerCounts())
-        c.steps, c.drafted, c.accepted = c.steps + 1, c.drafted + drafted, c.accepted + accepted
-        if len(self.accepted_hist) <= accepted:
-            self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
-        self.accepted_hist[accepted] += 1
-
-
-@dataclass
 class Shadow:
     """A tree the gate skipped, walked along the tokens emitted after it."""
 
@@ -107,56 +78,42 @@ class Shadow:
 
 @dataclass
 class SpecState:
-    """One request's speculation: its proposer stream, counters and acceptance estimate.
-
-    Per-token acceptance rate α = successes / trials (both EWMAs): a drafted level counts a
-    success when accepted, a trial also when the path stopped there; a path accepted to the end of
-    a cut tree is censored (no failure counted), so cutting trees never biases α down.
-    """
+    """One request's speculation: its proposer stream, counters and acceptance estimate."""
 
     session: ProposerSession | None = None
     counters: SpecCounters = field(default_factory=SpecCounters)
     last_tree: float = 0.0  # perf_counter of the last tree taken (liveness)
-    accept_s: float = 1.0  # prior α = 0.5
-    accept_t: float = 2.0
+    estimate: RequestEstimate = field(default_factory=lambda: RequestEstimate((0.5,)))
     shadow: Shadow | None = None
     k_cap: int | None = None  # the router's draft tokens per step; None: no cap
     failed_proposers: set[str] = field(default_factory=set)
 
     @classmethod
-    def start(cls, session: ProposerSession | None, k_cap: int | None, prior_alpha: float | None) -> SpecState:
-        """``prior_alpha``: the proposer's per-token acceptance from the shared statistics, worth 2
-        trials: where the router says speculation does not pay, it starts low and the cost gate
-        decodes plainly until the trees the request skips prove it wrong."""
+    def start(cls, session: ProposerSession | None, k_cap: int | None, estimate: RequestEstimate | None) -> SpecState:
+        """``estimate``: seeded from the proposer's shared statistics (None: α = 0.5 at every depth).
+        Where the router says speculation does not pay, it starts low and the cost gate decodes
+        plainly until the trees the request skips prove it wrong."""
         state = cls(session=session, counters=SpecCounters(proposer=session.name if session else "none"), k_cap=k_cap)
         if session is not None:
             state.counters.per_proposer[session.name] = ProposerCounts()
-        if prior_alpha is not None:
-            state.seed(prior_alpha)
+        if estimate is not None:
+            state.estimate = estimate
         return state
 
-    def seed(self, alpha: float) -> None:
-        self.accept_s, self.accept_t = 2.0 * alpha, 2.0
-
-    @property
-    def alpha(self) -> float:
-        return min(self.accept_s / self.accept_t, 0.99)
-
     def observe(self, accepted: int, rejected: bool) -> None:
-        """``accepted`` levels were (or would have been) taken; ``rejected``: the walk stopped at a
-        node that had children (a failure), not at a leaf (censored)."""
-        self.accept_s += _EWMA * (accepted - self.accept_s)
-        self.accept_t += _EWMA * (accepted + rejected - self.accept_t)
+        """A verified tree: ``accepted`` levels taken; ``rejected``: the walk stopped at a node that
+        had children (a miss), not at a leaf (censored)."""
+        self.estimate.observe(levels_sample(0, accepted, rejected))
 
     def follow_shadow(self, emitted: list[int]) -> AcceptanceStats | None:
-        """Walk the skipped tree along the emitted tokens. Each step's matched levels update α at
-        once (censored while the walk goes on), so a request whose skipped trees keep guessing right
-        turns speculation on within a few steps; once decided, the whole tree is returned as one
-        sample for the router's statistics."""
+        """Walk the skipped tree along the emitted tokens. Each step's matched levels update the
+        estimate at once, at the depths they reached (censored while the walk goes on), so a request
+        whose skipped trees keep guessing right turns speculation on within a few steps; once
+        decided, the whole tree is returned as one sample for the router's statistics."""
         shadow = self.shadow
         assert shadow is not None
         node, levels, rejected = follow(shadow.tree, shadow.node, emitted)
-        self.observe(levels, bool(rejected))
+        self.estimate.observe(levels_sample(shadow.matched, levels, bool(rejected)))
         if rejected is None:
             shadow.node, shadow.matched = node, shadow.matched + levels
             return None
@@ -164,18 +121,22 @@ class SpecState:
         return AcceptanceStats.of_step(len(shadow.tree), shadow.matched + levels, rejected)
 
 
-def expected_by_width(alpha: float, parents: list[int]) -> list[float]:
-    """Expected accepted tokens when a tree is cut to its first w - 1 nodes, for each w: a geometric
-    model with per-token rate α, α(1 − α^depth) / (1 − α) for the depth the cut tree reaches.
+def expected_by_width(alphas: Sequence[float], parents: list[int]) -> list[float]:
+    """Expected accepted tokens when a tree is cut to its first w - 1 nodes, for each w: the chain
+    model Σ_{d=1..r} Π_{j≤d} α_j for the depth r the cut tree reaches (``alphas[d - 1]`` = α_d;
+    deeper than ``alphas``, the last one repeats).
 
-    >>> [round(e, 2) for e in expected_by_width(0.5, [-1, 0, -1])]  # a chain of 2 and a sibling
+    >>> [round(e, 2) for e in expected_by_width([0.5], [-1, 0, -1])]  # a chain of 2 and a sibling
     [0.0, 0.5, 0.75, 0.75]
     """
-    reach, e = 0, [0.0]
-    for d in depths(parents):
-        reach = max(reach, d)
-        e.append(alpha * (1 - alpha**reach) / (1 - alpha))
-    return e
+    d = depths(parents)
+    reach = max(d, default=0)
+    chain = expected_accepted([*alphas[:reach], *[alphas[-1]] * (reach - len(alphas))])
+    out, r = [0.0], 0
+    for di in d:
+        r = max(r, di)
+        out.append(chain[r])
+    return out
 
 
 @dataclass(frozen=True)
@@ -205,7 +166,7 @@ class SpeculationControl:
         self.last_wait = 0.0  # seconds this step waited for trees
 
     # --- before the forward -----------------------------------------------------------------
-    def collect_trees(self, seqs: list[_Sequence], max_context: int) -> list[TokenTree]:
+    def collect_trees(self, seqs: list[Sequence], max_context: int) -> list[TokenTree]:
         """Each request's tree for its current context; waits at most ``proposer_wait_ms`` for all."""
         for seq in seqs:
             if seq.spec.session is not None and seq.spec.session.failed is not None:
@@ -215,9 +176,7 @@ class SpeculationControl:
         promising = [s for s in seqs if s.spec.session is not None]
         if self.step_cost is not None and promising:
             chains = [  # as if every live proposer sent a full chain
-                expected_by_width(s.spec.alpha, list(range(-1, s.spec.session.limits.max_depth - 1)))
-                if s.spec.session
-                else [0.0]
+                expected_accepted(s.spec.estimate.alphas(s.spec.session.limits.max_depth)) if s.spec.session else [0.0]
                 for s in seqs
             ]
             if choose_width(chains, self.step_cost) == 1:
@@ -251,9 +210,12 @@ class SpeculationControl:
             trees = self._gate(seqs, trees)
         return trees
 
-    def _gate(self, seqs: list[_Sequence], trees: list[TokenTree]) -> list[TokenTree]:
+    def _gate(self, seqs: list[Sequence], trees: list[TokenTree]) -> list[TokenTree]:
         """Cut every tree to the batch's best step width (maybe 1: no speculation this step)."""
-        expected = [expected_by_width(seq.spec.alpha, tree.parents) for seq, tree in zip(seqs, trees, strict=True)]
+        expected = [
+            expected_by_width(seq.spec.estimate.alphas(max(depths(tree.parents), default=1)), tree.parents)
+            for seq, tree in zip(seqs, trees, strict=True)
+        ]
         width = choose_width(expected, self.step_cost)
         out = []
         for seq, tree in zip(seqs, trees, strict=True):
@@ -266,7 +228,7 @@ class SpeculationControl:
 
     # --- after the forward ------------------------------------------------------------------
     def after_step(
-        self, seqs: list[_Sequence], trees: list[TokenTree], results: list[tuple[list[int], int]]
+        self, seqs: list[Sequence], trees: list[TokenTree], results: list[tuple[list[int], int]]
     ) -> list[list[int]]:
         """Count and learn from what each request accepted; returns each request's emitted tokens
         (accepted nodes + bonus). Records the step's acceptance once per (proposer, tag)."""
@@ -304,7 +266,7 @@ class SpeculationControl:
                 self.metrics.speculation(proposer, int(s.steps), int(s.drafted), int(s.accepted), s.hits, s.trials)
         return emitted_all
 
-    def redecide_due(self, seqs: list[_Sequence]) -> None:
+    def redecide_due(self, seqs: list[Sequence]) -> None:
         """Every ``redecide_steps`` steps of a request, the router revisits its proposer and k."""
         if self.router is None:
             return
@@ -312,12 +274,18 @@ class SpeculationControl:
             if not seq.done and seq.req.spec.proposer != "none" and seq.steps % self.config.redecide_steps == 0:
                 self._redecide(seq, len(seqs))
 
-    def _redecide(self, seq: _Sequence, batch: int) -> None:
+    def _redecide(self, seq: Sequence, batch: int) -> None:
         """A new proposer's stream starts lazily; its prior α comes from the shared statistics."""
         spec, state = seq.req.spec, seq.spec
         current = state.counters.proposer if state.session is not None else None
         d = self.router.decide(
-            spec.proposer, spec.workload_tag, spec.num_speculative_tokens, batch, current, spec.unservable
+            spec.proposer,
+            spec.workload_tag,
+            spec.num_speculative_tokens,
+            batch,
+            current,
+            spec.unservable,
+            estimate=state.estimate if current is not None else None,
         )
         if self.metrics is not None:
             self.metrics.decision(d.proposer, d.speculate)
@@ -332,10 +300,10 @@ class SpeculationControl:
         state.session, state.counters.proposer = new, d.proposer
         state.counters.per_proposer.setdefault(d.proposer, ProposerCounts())
         state.last_tree, state.shadow = time.perf_counter(), None
-        state.seed(self.router.mean_alpha(d.proposer, spec.workload_tag))
+        state.estimate = self.router.estimate(d.proposer, spec.workload_tag)
 
     # --- session lifecycle ------------------------------------------------------------------
-    def drop_session(self, seq: _Sequence, reason: str) -> None:
+    def drop_session(self, seq: Sequence, reason: str) -> None:
         """The proposer failed the request: plain decoding from now on, and why."""
         state = seq.spec
         state.counters.fallback_reason = reason
@@ -346,7 +314,7 @@ class SpeculationControl:
                 self.metrics.fallback(state.session.name, reason)
         self.end_session(seq, reason)
 
-    def end_session(self, seq: _Sequence, failure: str | None = None) -> None:
+    def end_session(self, seq: Sequence, failure: str | None = None) -> None:
         """Close (or fail) the request's proposer stream, counting its invalid trees once."""
         state = seq.spec
         session, state.session = state.session, None

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 
 _M32 = 0xFFFFFFFF
+# Temperatures below this are greedy: logits / 1e-45 overflow to inf and softmax to NaN (vLLM's
+# _SAMPLING_EPS). Requests are normalised to 0 on arrival; filter_logits clamps as a last guard.
+GREEDY_BELOW = 1e-5
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -61,7 +64,9 @@ def filter_logits(
     >>> out.tolist()
     [[-inf, 3.0, 2.0]]
     """
-    logits = logits.float() / temperature[:, None]
+    logits = logits.float() / temperature.clamp(min=GREEDY_BELOW)[:, None]
+    # NaN logits never win; +inf (an overflowing model) is the largest finite, so softmax stays defined.
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
     vocab = logits.shape[-1]
     if bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [b]
@@ -81,15 +86,18 @@ def filter_logits(
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample: the first index whose cumulative mass exceeds u * total.
 
-    probs [b, V] (unnormalised, non-negative); u float64 [b] in (0, 1) → int64 [b].
+    probs [b, V] (unnormalised, non-negative; NaN and inf count as 0); u float64 [b] in (0, 1) → int64 [b].
 
     >>> sample_from_probs(torch.tensor([[0.2, 0.0, 0.8]]), torch.tensor([0.25])).tolist()
     [2]
     """
-    cdf = torch.cumsum(probs.double(), dim=-1)  # [b, V]
-    target = (u * cdf[:, -1])[:, None]  # [b, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return idx.clamp(max=probs.shape[-1] - 1)
+    probs = torch.nan_to_num(probs.double(), nan=0.0, posinf=0.0, neginf=0.0)
+    cdf = torch.cumsum(probs, dim=-1)  # [b, V]
+    total = cdf[:, -1]
+    target = (u * total)[:, None]  # [b, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    # No mass left (e.g. every logit NaN): the most likely token, never an arbitrary last id.
+    return torch.where(torch.isfinite(total) & (total > 0), idx, probs.argmax(dim=-1))
 
 
 def sample_next(
@@ -100,13 +108,13 @@ def sample_next(
     seeds: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    """Next token per row: argmax where temperature == 0, else a seeded sample.
+    """Next token per row: argmax where temperature < GREEDY_BELOW (0 = greedy), else a seeded sample.
 
     logits [b, V]; temperature/top_p float [b]; top_k, seeds, positions int64 [b] → int64 [b].
     ``positions`` (the index of the token being sampled) is the RNG counter.
     """
     tokens = torch.argmax(logits, dim=-1)  # [b]
-    sampled = temperature > 0
+    sampled = temperature >= GREEDY_BELOW  # below: greedy, as the request normalisation says
     if bool(sampled.any()):
         rows = sampled.nonzero().squeeze(1)
         filtered = filter_logits(logits[rows], temperature[rows], top_p[rows], top_k[rows])
@@ -114,3 +122,13 @@ def sample_next(
         u = uniform(seeds[rows], positions[rows])
         tokens[rows] = sample_from_probs(probs, u)
     return tokens
+
+
+def repeat_rows(values: list, repeats: list[int], device: torch.device) -> torch.Tensor:
+    """``values[i]`` repeated ``repeats[i]`` times, as one tensor: a request's setting for each of
+    its logits rows.
+
+    >>> repeat_rows([0.5, 1.0], [2, 1], torch.device("cpu")).tolist()
+    [0.5, 0.5, 1.0]
+    """
+    return torch.repeat_interleave(torch.tensor(values, device=device), torch.tensor(repeats, device=device))

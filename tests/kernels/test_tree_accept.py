@@ -10,14 +10,10 @@ import torch
 
 from specmesh.server.sampling import filter_logits
 from specmesh.server.tree import TokenTree
-from specmesh_kernels.tree_accept import (
-    PackedTrees,
-    tree_accept,
-    tree_accept_kernel_launch,
-    tree_accept_reference,
-    unpack_result,
-)
+from specmesh_kernels.tree_accept import PackedTrees, tree_accept_kernel_launch, unpack_result
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
+from verifier_svc.batch_accept import accept_on_device
+from verifier_svc.requests import GenerationRequest, SpecRequest
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: 100k walks take hours in Triton's CPU interpreter"
@@ -69,13 +65,19 @@ def pack(trees: list[TokenTree]) -> PackedTrees:
     return PackedTrees.from_lists([t.tokens for t in trees], [t.parents for t in trees], [t.dists for t in trees])
 
 
+def table(seeds: torch.Tensor, positions: torch.Tensor, trees: list[TokenTree]) -> torch.Tensor:
+    """The launcher's uniforms: the host walk's, for the batch's largest tree."""
+    n = max(len(t) for t in trees) + 1
+    return acceptance_uniforms(seeds, positions, n, n)
+
+
 @pytest.mark.parametrize("n_req,max_nodes", [(1, 0), (5, 63), (64, 8)])
 def test_greedy_kernel_is_identical_to_host_greedy_accept(n_req, max_nodes):
     trees, logits = random_batch(n_req + max_nodes, n_req, max_nodes, vocab=40, stochastic=False)
     greedy = torch.ones(n_req, dtype=torch.bool)
     seeds, positions = torch.arange(n_req), torch.full((n_req,), 5)
     probs = torch.softmax(logits, dim=-1)
-    out = tree_accept_kernel_launch(probs, logits.argmax(dim=-1), pack(trees), greedy, seeds, positions)
+    out = tree_accept_kernel_launch(probs, logits.argmax(dim=-1), pack(trees), greedy, table(seeds, positions, trees))
     got = unpack_result(out)
     assert got == host_walks(trees, probs, greedy, seeds, positions)
     assert max(len(path) for path, _ in got) >= min(2, max_nodes)  # walks do go down the trees
@@ -89,33 +91,36 @@ def test_sampled_kernel_matches_host_walk_draw_for_draw(stochastic):
     seeds = torch.tensor([random.Random(b).getrandbits(63) for b in range(n_req)])
     positions = torch.arange(n_req) * 3 + 11
     probs = torch.softmax(logits, dim=-1)
-    packed = pack(trees)
-    out = tree_accept_kernel_launch(probs, logits.argmax(dim=-1), packed, greedy, seeds, positions)
+    out = tree_accept_kernel_launch(probs, logits.argmax(dim=-1), pack(trees), greedy, table(seeds, positions, trees))
     want = host_walks(trees, probs, greedy, seeds, positions)
     assert unpack_result(out) == want
-    assert unpack_result(tree_accept_reference(probs, logits.argmax(dim=-1), packed, greedy, seeds, positions)) == want
     assert sum(len(p) for p, _ in want) > n_req // 2  # some sampled walks accept nodes
 
 
-def test_tree_accept_applies_temperature_top_k_top_p_like_the_engine():
+def test_the_engine_device_path_applies_temperature_top_k_top_p_as_the_host_walk():
     n_req = 6
     trees, logits = random_batch(9, n_req, 6, vocab=25, stochastic=False)
     temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9, 0.0])
     top_p = torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0, 1.0])
     top_k = torch.tensor([0, 0, 5, 3, 0, 0])
     seeds, positions = torch.arange(n_req) + 100, torch.arange(n_req) + 40
-    out = tree_accept(logits, pack(trees), temperature, top_p, top_k, seeds, positions)
+    plain = SpecRequest("none", 0, 0, "", "")
+    reqs = [
+        GenerationRequest(str(b), [], float(t), float(p), int(k), int(s), 8, (), False, plain)
+        for b, (t, p, k, s) in enumerate(zip(temperature, top_p, top_k, seeds, strict=True))
+    ]
+    got = accept_on_device(reqs, positions.tolist(), trees, logits)
     counts = torch.tensor([len(t) + 1 for t in trees])
     rep = lambda t: torch.repeat_interleave(t, counts)  # noqa: E731
     shaped = filter_logits(logits, rep(torch.where(temperature > 0, temperature, 1.0)), rep(top_p), rep(top_k))
     probs = torch.softmax(shaped, dim=-1)  # as Engine._accept shapes the sampled rows
-    assert unpack_result(out) == host_walks(trees, probs, temperature == 0, seeds, positions)
+    assert got == host_walks(trees, probs, temperature == 0, seeds, positions)
 
 
 def test_launcher_rejects_mismatched_rows():
     trees, logits = random_batch(1, 3, 4, vocab=10, stochastic=False)
     probs = torch.softmax(logits, dim=-1)
-    args = (pack(trees), torch.zeros(3, dtype=torch.bool), torch.arange(3), torch.arange(3))
+    args = (pack(trees), torch.zeros(3, dtype=torch.bool), table(torch.arange(3), torch.arange(3), trees))
     with pytest.raises(ValueError, match="target rows"):
         tree_accept_kernel_launch(probs[1:], logits.argmax(-1)[1:], *args)
     with pytest.raises(ValueError, match="int64"):
@@ -149,7 +154,8 @@ def _first_token_tv(n: int, stochastic: bool, device: str = "cpu") -> tuple[floa
     packed = PackedTrees.from_lists(
         [t.tokens for t in trees], [t.parents for t in trees], [t.dists for t in trees], device=device
     )
-    results = unpack_result(tree_accept_kernel_launch(probs, probs.argmax(-1), packed, greedy, seeds, positions).cpu())
+    u = table(seeds, positions, trees)
+    results = unpack_result(tree_accept_kernel_launch(probs, probs.argmax(-1), packed, greedy, u).cpu())
     counts = torch.zeros(VOCAB, dtype=torch.float64)
     for tree, (path, bonus) in zip(trees, results, strict=True):
         counts[tree.tokens[path[0]] if path else bonus] += 1

@@ -124,7 +124,7 @@ def test_tagged_statistics_fall_back_to_the_pooled_ones_for_a_new_tag(clock):
     feed(router, clock, random.Random(5), {"ngram": 0.9, "draft": 0.3}, "code", 300)
     fresh = router.decide("auto", "never-seen-tag")
     assert fresh.proposer == "ngram" and fresh.k >= 4
-    assert router.mean_alpha("ngram", "never-seen-tag") > 0.8
+    assert router.estimate("ngram", "never-seen-tag").alphas(1)[0] > 0.8
 
 
 def test_mid_request_switch_needs_a_clear_margin():

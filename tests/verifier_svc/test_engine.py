@@ -8,7 +8,8 @@ import pytest
 from support import assert_greedy_equal, workload_prompts
 
 from specmesh.server.model_runner import ModelRunner
-from verifier_svc.engine import Engine, EngineConfig, EngineFull, ErrorEvent, FinishEvent, TokenEvent
+from verifier_svc.engine import Engine, EngineConfig
+from verifier_svc.events import EngineFull, ErrorEvent, FinishEvent, TokenEvent
 from verifier_svc.requests import GenerationRequest, SpecRequest
 
 pytestmark = pytest.mark.slow
@@ -105,6 +106,7 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
     """No cap and a poor prior (the router's "off"): the skipped n-gram trees keep guessing the
     emitted tokens, so the request's own estimate rises and the cost gate verifies trees again."""
     from specmesh_router.cost_model import LiveStepCost, StepCost
+    from specmesh_router.estimate import RequestEstimate
     from verifier_svc.local_proposer import LocalProposerSession
     from verifier_svc.proposer_client import ProposerLimits
 
@@ -121,7 +123,7 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
         spec = SpecRequest("ngram", 0, 0, "", "")
         req = GenerationRequest("r", ids, max_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(),
                                 ignore_eos=True, spec=spec)  # fmt: skip
-        eng.submit(req, got, session, k_cap=None, prior_alpha=0.05)
+        eng.submit(req, got, session, k_cap=None, estimate=RequestEstimate((0.05,)))
         assert got.done.wait(300)
     finally:
         eng.shutdown()

@@ -1,0 +1,159 @@
+"""The acceptance model: per-depth Beta posteriors, shared across requests and refined per request.
+
+α_d is the probability that a draft token at depth d is accepted given its parent was. One model
+serves every decision:
+
+- the shared statistics (decayed sums per proposer and workload tag, ``stats.py``) give each
+  proposer a :class:`Posterior` (:func:`posterior`): what the router knows before a request starts;
+- a request's :class:`RequestEstimate` starts from that posterior's means and adds the request's
+  own decayed evidence, every verified tree and every skipped tree scored against the emitted
+  tokens. Its posterior feeds the router's k when the request is revisited, and its means feed
+  the verifier's per-step width gate (``expected_accepted`` over the tree's depth).
+
+Evidence is censored: a path accepted to the end of a (cut) tree counts no miss at the next
+depth, so cutting trees never biases the estimate down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from specmesh_router.stats import MAX_POSITIONS, AcceptanceStats
+
+MAX_ALPHA = 0.99  # the gate never plans on certain acceptance
+
+
+@dataclass(frozen=True)
+class Posterior:
+    """Beta(a[d], b[d]) over the acceptance of one proposer's draft token at depth d + 1."""
+
+    proposer: str
+    a: tuple[float, ...]
+    b: tuple[float, ...]
+    wait_s: float = 0.0  # mean verifier wait for this proposer's draft, per step
+    evidence: float = 0.0  # decayed steps behind the posterior
+
+    def means(self) -> list[float]:
+        return [a / (a + b) for a, b in zip(self.a, self.b, strict=True)]
+
+
+def posterior(
+    proposer: str,
+    stats: AcceptanceStats | None,
+    pooled: AcceptanceStats | None,
+    prior_mean: float,
+    strength: float,
+    depth: int,
+) -> Posterior:
+    """Per-depth Beta posteriors from shared statistics. Prior mean at depth d: the pooled (all
+    workload tags) statistics where they exist, else the posterior mean one level up (depth 1:
+    ``prior_mean``), worth ``strength`` trials.
+
+    >>> p = posterior("ngram", AcceptanceStats(steps=10.0, hits=(8.0,), trials=(10.0,)), None, 0.5, 2.0, depth=2)
+    >>> p.a, p.b    # depth 2: no data, prior mean = depth 1's 9/12
+    ((9.0, 1.5), (3.0, 0.5))
+    """
+    stats = stats or AcceptanceStats()
+    a: list[float] = []
+    b: list[float] = []
+    mean = prior_mean
+    for d in range(depth):
+        if pooled is not None and d < len(pooled.trials) and pooled.trials[d] > 0:
+            mean = (_at(pooled.hits, d) + mean * strength) / (pooled.trials[d] + strength)
+        hits, trials = _at(stats.hits, d), _at(stats.trials, d)
+        a.append(mean * strength + hits)
+        b.append((1 - mean) * strength + max(trials - hits, 0.0))
+        mean = a[-1] / (a[-1] + b[-1])
+    return Posterior(proposer, tuple(a), tuple(b), stats.proposer_s_per_step, stats.steps)
+
+
+def _at(xs: tuple[float, ...], d: int) -> float:
+    return xs[d] if d < len(xs) else 0.0
+
+
+def levels_sample(first_depth: int, accepted: int, rejected: bool) -> AcceptanceStats:
+    """Per-depth evidence of ``accepted`` levels taken from depth ``first_depth + 1`` on, then a miss
+    if ``rejected`` (else censored): a verified tree starts at depth 1, a skipped tree's walk
+    resumes where the previous step left it.
+
+    >>> s = levels_sample(1, 2, True)    # depths 2 and 3 accepted, depth 4 missed
+    >>> s.hits, s.trials
+    ((0.0, 1.0, 1.0), (0.0, 1.0, 1.0, 1.0))
+    """
+    hit = min(first_depth + accepted, MAX_POSITIONS)
+    tried = min(first_depth + accepted + bool(rejected), MAX_POSITIONS)
+    skip = min(first_depth, MAX_POSITIONS)
+    return AcceptanceStats(hits=(0.0,) * skip + (1.0,) * (hit - skip), trials=(0.0,) * skip + (1.0,) * (tried - skip))
+
+
+@dataclass
+class RequestEstimate:
+    """One request's per-depth acceptance: the shared posterior's means as the prior, then the
+    request's own evidence. Both decay by ``keep`` per observation, so the prior fades as the
+    request shows what it is (a request whose trees always match climbs to ``MAX_ALPHA`` within a
+    few steps, whatever the shared statistics said).
+
+    Mean at depth d = (m_d · w + hits_d) / (w + trials_d), with m_d the prior mean (beyond the
+    prior's depth: the estimate one level up) and w the prior's weight, ``strength`` at the start.
+
+    >>> est = RequestEstimate((0.2, 0.2, 0.2))
+    >>> [round(a, 2) for a in est.alphas(3)]
+    [0.2, 0.2, 0.2]
+    >>> for _ in range(6):
+    ...     est.observe(levels_sample(0, 3, False))    # a chain of 3 accepted to its end, 6 times
+    >>> [round(a, 2) for a in est.alphas(4)]    # depth 4 untried: the estimate one level up
+    [0.83, 0.83, 0.83, 0.83]
+    >>> est.observe(levels_sample(0, 0, True))    # then a miss at depth 1
+    >>> [round(a, 2) for a in est.alphas(2)]
+    [0.6, 0.83]
+    """
+
+    prior: tuple[float, ...]  # prior mean per depth (the shared posterior's means)
+    strength: float = 2.0 / 0.3  # prior weight in trials at the start (2 steps' worth of EWMA 0.3)
+    keep: float = 0.7  # weight left to older evidence (and the prior) per observation
+    seen: AcceptanceStats = field(default_factory=AcceptanceStats)
+    weight: float | None = None  # the prior's current weight; None: ``strength``
+
+    @classmethod
+    def from_posterior(cls, post: Posterior | None, prior_mean: float = 0.5) -> RequestEstimate:
+        return cls(tuple(post.means()) if post is not None and post.a else (prior_mean,))
+
+    def observe(self, sample: AcceptanceStats) -> None:
+        w = self.strength if self.weight is None else self.weight
+        self.weight = w * self.keep
+        self.seen = self.seen.scaled(self.keep) + sample
+
+    def posterior(self, base: Posterior, depth: int) -> Posterior:
+        """This request's Beta per depth, for the router's k (wait and evidence from ``base``, the
+        shared posterior of the same proposer)."""
+        w = self.strength if self.weight is None else self.weight
+        a: list[float] = []
+        b: list[float] = []
+        mean = self.prior[0]
+        for d in range(depth):
+            mean = self.prior[d] if d < len(self.prior) else mean
+            hits, trials = _at(self.seen.hits, d), _at(self.seen.trials, d)
+            a.append(mean * w + hits)
+            b.append((1 - mean) * w + max(trials - hits, 0.0))
+            mean = a[-1] / (a[-1] + b[-1]) if a[-1] + b[-1] > 0 else mean
+        return replace(base, a=tuple(a), b=tuple(b))
+
+    def alphas(self, depth: int) -> list[float]:
+        """Posterior mean α per depth 1 … ``depth`` (at most ``MAX_ALPHA``)."""
+        post = self.posterior(Posterior("", (), ()), depth)
+        return [min(m, MAX_ALPHA) for m in post.means()]
+
+
+def expected_accepted(alphas: Sequence[float]) -> list[float]:
+    """E(k) for k = 0 … len(alphas): draft tokens a k-token chain gets accepted on average,
+    Σ_{d=1..k} Π_{j=1..d} α_j.
+
+    >>> expected_accepted([0.5, 0.5, 0.5])
+    [0.0, 0.5, 0.75, 0.875]
+    """
+    out, reach = [0.0], 1.0
+    for alpha in alphas:
+        reach *= alpha
+        out.append(out[-1] + reach)
+    return out

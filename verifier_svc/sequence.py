@@ -1,0 +1,82 @@
+"""A request inside the engine, and how its new tokens become stream events."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from verifier_svc.detokenizer import Detokenizer, StopStringFilter
+from verifier_svc.events import Event, FinishEvent, TokenEvent
+from verifier_svc.logprobs import TokenLogprob
+from verifier_svc.requests import GenerationRequest
+from verifier_svc.speculation import SpecState
+
+
+@dataclass
+class Sequence:
+    """One request in the engine: its slot, cached length, output and streaming state."""
+
+    req: GenerationRequest
+    sink: Callable[[Event], None]
+    detok: Detokenizer
+    stopper: StopStringFilter
+    arrival: float
+    slot: int = -1
+    length: int = 0  # tokens whose KV is cached
+    output: list[int] = field(default_factory=list)
+    done: bool = False
+    steps: int = 0
+    verify_s: float = 0.0
+    prefill_start: float = 0.0
+    first_token: float = 0.0
+    spec: SpecState = field(default_factory=SpecState)
+
+    @property
+    def context_length(self) -> int:
+        return len(self.req.prompt_ids) + len(self.output)
+
+    @property
+    def pending(self) -> int:
+        """The newest token, not yet in the KV cache (fed at the next decode step)."""
+        return self.output[-1]
+
+    @property
+    def prefilled(self) -> bool:
+        return bool(self.output)
+
+    def push(
+        self, tokens: list[int], logprobs: list[TokenLogprob] | None, eos_ids: set[int], max_context: int
+    ) -> tuple[TokenEvent, str]:
+        """Append tokens up to the first limit (EOS or a stop token id, ``max_tokens``, the context)
+        and detokenize them through the stop-string filter: the event to stream, and why the
+        request finished ("eos" | "length" | "stop"; "" while it goes on)."""
+        req, reason, emitted = self.req, "", []
+        for tok in tokens:
+            self.output.append(tok)
+            emitted.append(tok)
+            if (tok in eos_ids and not req.ignore_eos) or tok in req.stop_token_ids:
+                reason = "eos"
+            elif len(self.output) >= req.max_tokens or len(req.prompt_ids) + len(self.output) >= max_context:
+                reason = "length"
+            if reason:
+                break
+        text = self.stopper.push(self.detok.push(emitted))
+        if self.stopper.matched is not None:
+            reason = "stop"
+        if reason:
+            text += self.stopper.push(self.detok.flush()) + self.stopper.flush()
+        return TokenEvent(emitted, text, logprobs[: len(emitted)] if logprobs is not None else None), reason
+
+    def finish_event(self, reason: str, now: float) -> FinishEvent:
+        return FinishEvent(
+            finish_reason=reason,
+            prompt_tokens=len(self.req.prompt_ids),
+            completion_tokens=len(self.output),
+            steps=self.steps,
+            verify_ms=self.verify_s * 1e3,
+            queue_ms=(self.prefill_start - self.arrival) * 1e3,
+            ttft_ms=(self.first_token - self.arrival) * 1e3,
+            total_ms=(now - self.arrival) * 1e3,
+            stop_string=self.stopper.matched or "",
+            spec=self.spec.counters,
+        )
