@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from proposer_svc.process import ServingConfig, add_serving_flags, serve_proposer, serving_config
-from proposer_svc.stream import Deliver, Opener, ProposeStream, StreamConfig
+from proposer_svc.stream import Deliver, Opener, ProposeStream, StreamConfig, StreamLimits
 from specmesh.server.flags import ServiceFlags
+from specmesh.server.log_limit import RateLimitedLog
 from specmesh.server.metrics import ProposerMetrics
 from specmesh.server.packed_linear import add_linears_flag
 from specmesh.server.serving import new_server
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from proposer_svc.draft import DraftConfig
 
 log = logging.getLogger(__name__)
+errors = RateLimitedLog(log)  # a persistent failure (OOM, a bug) repeats every round: one line per 10 s
 
 
 @dataclass
@@ -92,7 +94,7 @@ class DraftLoop:
                 try:
                     self._apply(ev)
                 except Exception:  # a bug must not stop the loop: end this stream, keep serving the rest
-                    log.exception("draft loop: %s failed", type(ev).__name__)
+                    errors.error(type(ev), "draft loop: %s failed", type(ev).__name__, exc_info=True)
                     got = self._by_key.get(getattr(ev, "key", -1))
                     if got is not None:
                         got[1](None)
@@ -148,7 +150,7 @@ class DraftLoop:
             try:
                 trees = self.drafter.draft(slice(start, start + len(states)), states, busy)
             except Exception:  # a bug or OOM must not hang the streams: end them, keep serving
-                log.exception("drafting failed")
+                errors.error("draft", "drafting failed", exc_info=True)
                 for s in states:
                     s.wanted = False
                     self._deliver(s, None)
@@ -204,10 +206,14 @@ def draft_opener(loop: DraftLoop) -> Opener:
     return lambda start, deliver: DraftStream(loop, next(keys), start, deliver)
 
 
-def draft_stream_config(identity: proposer_pb2.VocabIdentity, config: DraftConfig) -> StreamConfig:
-    """Budgets capped by the drafter's (``DraftConfig``); the target's vocabulary must be the draft's."""
+def draft_stream_config(
+    identity: proposer_pb2.VocabIdentity, config: DraftConfig, limits: StreamLimits
+) -> StreamConfig:
+    """Budgets capped by the drafter's (``DraftConfig``) within what a stream may ask (``limits``);
+    the target's vocabulary must be the draft's."""
     return StreamConfig(
         proposer="draft",
+        limits=limits,
         max_nodes=config.max_nodes,
         max_depth=config.max_depth,
         vocab_size=identity.vocab_size,
@@ -307,7 +313,7 @@ async def run(cfg: DraftServerConfig) -> None:
     metrics = ProposerMetrics("draft")
     loop = DraftLoop(Drafter(runner, config), metrics)
     loop.start()
-    servicer = ProposeStream(draft_stream_config(identity, config), draft_opener(loop), metrics)
+    servicer = ProposeStream(draft_stream_config(identity, config, cfg.serving.limits), draft_opener(loop), metrics)
     try:
         await serve_proposer(new_server(), servicer, cfg.serving, "draft")
     finally:

@@ -1,5 +1,5 @@
-"""What every proposer process shares: its serving flags (address, grace, metrics port) and the
-gRPC server that carries ``ProposerService`` beside health and reflection."""
+"""What every proposer process shares: its serving flags (address, grace, metrics port, what one
+stream may ask: ``StreamLimits``) and the gRPC server that carries ``ProposerService`` beside health and reflection."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from proposer_svc.stream import SERVING_LIMITS, StreamLimits
 from specmesh.server.flags import ServiceFlags
 from specmesh.server.serving import serve
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
@@ -19,18 +20,24 @@ class ServingConfig:
     address: str
     grace_s: float = 30.0  # SIGTERM: open streams get this long to finish
     metrics_port: int = 0  # Prometheus /metrics; 0 = off
+    limits: StreamLimits = SERVING_LIMITS  # every stream's, whoever calls
 
 
 def add_serving_flags(flags: ServiceFlags, address: str) -> None:
-    """``--address`` (defaulting to ``address``), ``--grace`` and ``--metrics-port``."""
+    """``--address`` (defaulting to ``address``), ``--grace``, ``--metrics-port`` and the stream limits."""
     flags.add_address("--address", address, "host:port to listen on")
     flags.add("--grace", 30.0, float, "seconds open streams get to finish on SIGTERM", minimum=0)
     flags.add("--metrics-port", 0, int, "Prometheus /metrics port; 0 = off", minimum=0)
+    d, beyond = SERVING_LIMITS, "; beyond, the stream is refused (RESOURCE_EXHAUSTED)"
+    flags.add("--max-stream-tokens", d.max_stream_tokens, int, f"context tokens per stream{beyond}", minimum=1)
+    flags.add("--max-budget-nodes", d.max_budget_nodes, int, f"tree nodes a stream may ask for{beyond}", minimum=1)
+    flags.add("--max-budget-depth", d.max_budget_depth, int, f"tree depth a stream may ask for{beyond}", minimum=1)
 
 
 def serving_config(a: argparse.Namespace) -> ServingConfig:
     """The parsed serving flags (checked by ``ServiceFlags.parse``)."""
-    return ServingConfig(address=a.address, grace_s=a.grace, metrics_port=a.metrics_port)
+    limits = StreamLimits(a.max_stream_tokens, a.max_budget_nodes, a.max_budget_depth)
+    return ServingConfig(address=a.address, grace_s=a.grace, metrics_port=a.metrics_port, limits=limits)
 
 
 async def serve_proposer(

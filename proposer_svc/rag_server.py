@@ -231,7 +231,7 @@ async def run(cfg: RagServerConfig) -> None:
     )
     metrics = ProposerMetrics("rag")
     opener = rag_opener(store, cfg.lookup, cfg.default_corpus, metrics)
-    proposer = ProposeStream(StreamConfig(proposer="rag"), opener, metrics)
+    proposer = ProposeStream(StreamConfig(proposer="rag", limits=cfg.serving.limits), opener, metrics)
     rag = rag_pb2.DESCRIPTOR.services_by_name["RagService"].full_name
     await serve_proposer(server, proposer, cfg.serving, "rag", [rag])
 

@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> NgramServerConfig:
 
 async def run(cfg: NgramServerConfig) -> None:
     metrics = ProposerMetrics("ngram")
-    servicer = ProposeStream(StreamConfig(proposer="ngram"), ngram_opener(cfg.ngram, metrics), metrics)
+    config = StreamConfig(proposer="ngram", limits=cfg.serving.limits)
+    servicer = ProposeStream(config, ngram_opener(cfg.ngram, metrics), metrics)
     await serve_proposer(new_server(), servicer, cfg.serving, "ngram")
 
 

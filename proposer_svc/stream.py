@@ -8,6 +8,10 @@ A core answers on the event loop (``advance`` returns the tree: n-gram, rag, ora
 tokens and the tree arrives through ``deliver``; the draft model's batching loop). Pushed
 streams read the client on a task of their own, so a new Advance reaches the core while an
 older tree is still being drafted: the core may skip trees for contexts already left behind.
+
+Callers are not trusted: ``StreamLimits`` bound the context and the budgets one stream may ask
+for, and a long Start/Advance of an inline core is worked on in a thread, so one stream's
+indexing never holds the event loop (every other stream) for its whole length.
 """
 
 from __future__ import annotations
@@ -95,8 +99,25 @@ def inline(factory: Callable[[proposer_pb2.ProposeStart], TreeBuilder], metrics:
 
 
 @dataclass(frozen=True)
+class StreamLimits:
+    """What one stream may ask of this proposer, whoever calls; beyond, the stream is refused with
+    RESOURCE_EXHAUSTED naming the limit (a verifier then decodes without this proposer). 0 = none."""
+
+    max_stream_tokens: int = 0  # context tokens of a stream: prompt + every accepted token
+    max_budget_nodes: int = 0  # a TreeBudget's max_nodes
+    max_budget_depth: int = 0  # a TreeBudget's max_depth
+
+
+# Above the verifier's own bounds (``router.policy.PolicyLimits``: 128 nodes, depth 64).
+SERVING_LIMITS = StreamLimits(max_stream_tokens=131_072, max_budget_nodes=1024, max_budget_depth=256)
+# Start/Advance token counts worked on in a thread (inline cores): ~1 ms of indexing on the loop at most.
+OFFLOAD_TOKENS = 2048
+
+
+@dataclass(frozen=True)
 class StreamConfig:
     proposer: str  # names the proposer in refusals
+    limits: StreamLimits = StreamLimits()
     max_nodes: int = 0  # caps every budget (an unset one becomes the cap); 0 = budgets as sent
     max_depth: int = 0
     vocab_size: int = 0  # > 0: targets with another vocabulary are refused, token ids checked against it
@@ -108,6 +129,17 @@ class StreamConfig:
 START_TWICE = "start: stream already started"
 EMPTY_PROMPT = "start.prompt_token_ids: empty"
 ADVANCE_FIRST = "advance before start"
+
+
+def over_limit(what: str, proposer: str, limit: int, flag: str) -> StreamRefused:
+    """The refusal of a stream over one of its ``StreamLimits``.
+
+    >>> over_limit("start.budget.max_nodes: 2000", "ngram", 1024, "--max-budget-nodes").message
+    "start.budget.max_nodes: 2000, over the ngram proposer's limit of 1024 (--max-budget-nodes)"
+    """
+    return StreamRefused(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}, over the {proposer} proposer's limit of {limit} ({flag})"
+    )
 
 
 def vocab_mismatch(proposer: str, vocab_size: int, tokenizer_hash: str, target: proposer_pb2.VocabIdentity) -> str:
@@ -176,6 +208,7 @@ async def _arrivals(
 class _Stream:
     core: ProposalCore
     budget: proposer_pb2.TreeBudget
+    context: int  # tokens sent so far: prompt + accepted
 
 
 class ProposeStream(proposer_pb2_grpc.ProposerServiceServicer):
@@ -222,10 +255,11 @@ class ProposeStream(proposer_pb2_grpc.ProposerServiceServicer):
         prompt = self._checked_start(start)
         outbox: asyncio.Queue | None = asyncio.Queue() if self.config.pushed else None
         deliver = _unpushed if outbox is None else _onto_loop(outbox)
-        s = _Stream(self.open(start, deliver), self._budget(start.budget))
+        budget = self._budget("start.budget", start.budget)  # refused before a core is opened
+        s = _Stream(self.open(start, deliver), budget, len(prompt))
         arrivals = None if outbox is None else _arrivals(it, outbox)
         try:
-            resp = s.core.start(prompt, s.budget)
+            resp = await self._work(s.core.start, prompt, s.budget)
             if resp is not None:
                 yield resp
             async for item in arrivals or it:
@@ -235,7 +269,7 @@ class ProposeStream(proposer_pb2_grpc.ProposerServiceServicer):
                 advance = _advance_of(item)
                 if advance is None:
                     return
-                resp = self._advance(s, advance)
+                resp = await self._advance(s, advance)
                 if resp is not None:
                     yield resp
         finally:
@@ -251,15 +285,35 @@ class ProposeStream(proposer_pb2_grpc.ProposerServiceServicer):
         prompt = list(start.prompt_token_ids)
         if not prompt:
             raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, EMPTY_PROMPT)
+        self._check_context(f"start.prompt_token_ids: {len(prompt)} tokens", len(prompt))
         self._check_tokens("start.prompt_token_ids", prompt)
         return prompt
 
-    def _advance(self, s: _Stream, advance: proposer_pb2.ProposeAdvance) -> proposer_pb2.ProposeResponse | None:
+    async def _advance(self, s: _Stream, advance: proposer_pb2.ProposeAdvance) -> proposer_pb2.ProposeResponse | None:
         tokens = list(advance.accepted_token_ids)
+        s.context += len(tokens)
+        self._check_context(f"advance: the stream's context would be {s.context} tokens", s.context)
         self._check_tokens("advance", tokens)
         if advance.HasField("budget"):
-            s.budget = self._budget(advance.budget)
-        return s.core.advance(tokens, s.budget)
+            s.budget = self._budget("advance.budget", advance.budget)
+        return await self._work(s.core.advance, tokens, s.budget)
+
+    async def _work(
+        self,
+        step: Callable[[list[int], proposer_pb2.TreeBudget], proposer_pb2.ProposeResponse | None],
+        tokens: list[int],
+        budget: proposer_pb2.TreeBudget,
+    ) -> proposer_pb2.ProposeResponse | None:
+        """A core's ``start``/``advance``; a long one of an inline core in a thread, the loop serving
+        the other streams meanwhile (a pushed core only queues the tokens)."""
+        if self.config.pushed or len(tokens) <= OFFLOAD_TOKENS:
+            return step(tokens, budget)
+        return await asyncio.to_thread(step, tokens, budget)
+
+    def _check_context(self, what: str, tokens: int) -> None:
+        cfg = self.config
+        if cfg.limits.max_stream_tokens and tokens > cfg.limits.max_stream_tokens:
+            raise over_limit(what, cfg.proposer, cfg.limits.max_stream_tokens, "--max-stream-tokens")
 
     def _check_tokens(self, where: str, tokens: list[int]) -> None:
         n = self.config.vocab_size
@@ -270,8 +324,14 @@ class ProposeStream(proposer_pb2_grpc.ProposerServiceServicer):
                 f"{where}: token id {bad} outside the {self.config.proposer} vocabulary [0, {n})",
             )
 
-    def _budget(self, budget: proposer_pb2.TreeBudget) -> proposer_pb2.TreeBudget:
-        cfg = self.config
+    def _budget(self, where: str, budget: proposer_pb2.TreeBudget) -> proposer_pb2.TreeBudget:
+        cfg, limits = self.config, self.config.limits
+        if limits.max_budget_nodes and budget.max_nodes > limits.max_budget_nodes:
+            what = f"{where}.max_nodes: {budget.max_nodes}"
+            raise over_limit(what, cfg.proposer, limits.max_budget_nodes, "--max-budget-nodes")
+        if limits.max_budget_depth and budget.max_depth > limits.max_budget_depth:
+            what = f"{where}.max_depth: {budget.max_depth}"
+            raise over_limit(what, cfg.proposer, limits.max_budget_depth, "--max-budget-depth")
         if not (cfg.max_nodes or cfg.max_depth):
             return budget
         return proposer_pb2.TreeBudget(

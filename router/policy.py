@@ -21,6 +21,15 @@ class SpeculationPolicy:
 
 
 @dataclass(frozen=True)
+class PolicyLimits:
+    """The server's bounds on the policy's knobs: a cap becomes every ``auto`` request's tree budget,
+    so an unbounded one would build trees of that size per request per step."""
+
+    max_speculative_tokens: int = 64
+    max_tree_nodes: int = 128
+
+
+@dataclass(frozen=True)
 class ProposerChoice:
     proposer: str  # a configured proposer name, or "none"
     reason: str  # why no speculation, when proposer == "none"
@@ -29,8 +38,13 @@ class ProposerChoice:
 class PolicyStore:
     """Thread-safe holder of the current default policy."""
 
-    def __init__(self, available: tuple[str, ...], initial: SpeculationPolicy | None = None) -> None:
-        self.available = available
+    def __init__(
+        self,
+        available: tuple[str, ...],
+        limits: PolicyLimits | None = None,  # the server's; None = the defaults
+        initial: SpeculationPolicy | None = None,
+    ) -> None:
+        self.available, self.limits = available, limits or PolicyLimits()
         self._lock = threading.Lock()
         self._policy = self.validate(initial or SpeculationPolicy())
 
@@ -43,10 +57,12 @@ class PolicyStore:
                 f"policy.proposer: {policy.proposer!r} is not configured here "
                 f"(configured: {', '.join(self.available) or 'none'})"
             )
-        if policy.num_speculative_tokens < 0:
-            raise ValueError("policy.num_speculative_tokens: must be >= 0")
-        if policy.max_tree_nodes < 0:
-            raise ValueError("policy.max_tree_nodes: must be >= 0")
+        for name, value, limit in (
+            ("num_speculative_tokens", policy.num_speculative_tokens, self.limits.max_speculative_tokens),
+            ("max_tree_nodes", policy.max_tree_nodes, self.limits.max_tree_nodes),
+        ):
+            if not 0 <= value <= limit:
+                raise ValueError(f"policy.{name}: must be in [0, {limit}] (this server's limit), got {value}")
         return policy if policy.mode == "fixed" else replace(policy, proposer="")
 
     def get(self) -> SpeculationPolicy:

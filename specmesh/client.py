@@ -17,8 +17,22 @@ from specmesh.params import Chunk, Completion, Prompt, SamplingParams, SpecDecod
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+# Every channel of ours (this SDK and the gateway on it, the verifier's proposer tiers): a restarted
+# server is used again within ~2 s. gRPC's default backoff grows ×1.6 from 1 s to 120 s, so a
+# proposer back after a 40 s outage sat unused for 14 s more. min_reconnect_backoff_ms is gRPC
+# core's connect-attempt timeout (default 20 s): a peer that drops SYNs holds no attempt longer.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.min_reconnect_backoff_ms", 5_000),
+]
 # round_robin: a dns:/// target naming several verifier replicas spreads requests over them.
-_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.enable_retries", 1), ("grpc.lb_policy_name", "round_robin")]
+_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.enable_retries", 1),
+    ("grpc.lb_policy_name", "round_robin"),
+    *RECONNECT_OPTIONS,
+]
 
 
 class GenerationStream:

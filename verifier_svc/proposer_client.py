@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from specmesh.server.log_limit import RateLimitedLog
 from specmesh.server.tree import InvalidTree, TokenTree, rebase, validate_tree
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
@@ -25,6 +26,11 @@ if TYPE_CHECKING:
     from verifier_svc.speculation import ProposerSession
 
 log = logging.getLogger(__name__)
+warn = RateLimitedLog(log)  # invalid trees and failures repeat per step / per request: one line per 10 s
+
+# After End, how long a proposer has to end its side before the call is cancelled: a proposer
+# that never does must not keep one stream per finished request open forever.
+CLOSE_GRACE_S = 2.0
 
 
 # A proposer ending a stream with these before its first tree refuses the request (bad corpus,
@@ -107,7 +113,7 @@ class GrpcProposerSession:
         except InvalidTree as exc:
             self.invalid_trees += 1
             self.last_invalid = str(exc)
-            log.warning("proposer %s sent an invalid tree: %s", self.name, exc)
+            warn.warning(("invalid tree", self.name), "proposer %s sent an invalid tree: %s", self.name, exc)
             tree = TokenTree([], [])  # answered, but nothing usable this step
         with self._arrived:
             self._tree = (resp.context_length, tree)
@@ -136,19 +142,25 @@ class GrpcProposerSession:
     def fail(self, reason: str) -> None:
         if self.failed is None:
             self.failed = f"proposer {self.name!r} failed: {reason}"
-            log.warning("%s; request continues without speculation", self.failed)
+            warn.warning(("failed", self.name), "%s; request continues without speculation", self.failed)
         self.close()
 
     def close(self) -> None:
+        """End the stream: End and half-close now, cancel the call after ``CLOSE_GRACE_S`` unless
+        the proposer has ended its side by then. Any thread; once."""
         if self._ended:
             return
         self._ended = True
+        self.loop.call_soon_threadsafe(self._end)
 
-        def _end() -> None:
-            self._outbox.put_nowait(proposer_pb2.ProposeRequest(end=proposer_pb2.ProposeEnd()))
-            self._outbox.put_nowait(None)
+    def _end(self) -> None:
+        self._outbox.put_nowait(proposer_pb2.ProposeRequest(end=proposer_pb2.ProposeEnd()))
+        self._outbox.put_nowait(None)
+        self.loop.call_later(CLOSE_GRACE_S, self._cancel)
 
-        self.loop.call_soon_threadsafe(_end)
+    def _cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()  # a no-op once the stream has ended; else _run cancels the call
 
 
 Stored = tuple[int, TokenTree] | None  # (context length the tree was proposed for, tree)

@@ -12,7 +12,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from specmesh.server.sampling import GREEDY_BELOW
 from specmesh.v1 import generation_pb2
+from specmesh_router.policy import PolicyLimits
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
@@ -64,9 +66,13 @@ class GenerationRequest:
 class RequestLimits:
     max_context: int
     vocab_size: int
-    max_speculative_tokens: int = 64
-    max_tree_nodes: int = 128
+    # One set of bounds for a request's knobs and the admin policy's (``policy_limits``).
+    max_speculative_tokens: int = PolicyLimits.max_speculative_tokens
+    max_tree_nodes: int = PolicyLimits.max_tree_nodes
     configured_proposers: tuple[str, ...] = ()
+
+    def policy_limits(self) -> PolicyLimits:
+        return PolicyLimits(self.max_speculative_tokens, self.max_tree_nodes)
 
 
 def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: RequestLimits) -> GenerationRequest:
@@ -75,6 +81,8 @@ def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: R
     temperature = s.temperature if s.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
+    if temperature < GREEDY_BELOW:  # logits / 1e-45 overflow to inf: such temperatures mean greedy
+        temperature = 0.0
     top_p = s.top_p if s.HasField("top_p") else 1.0
     if not (0 < top_p <= 1):  # also rejects NaN
         raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")
@@ -175,5 +183,9 @@ def _spec(msg: generation_pb2.GenerateRequest, limits: RequestLimits) -> SpecReq
     if len(p.workload_tag) > MAX_TAG_CHARS or not p.workload_tag.isprintable():
         raise InvalidRequest(
             "spec_decode.workload_tag", f"must be printable and at most {MAX_TAG_CHARS} characters (it keys statistics)"
+        )
+    if len(p.corpus) > MAX_TAG_CHARS or not p.corpus.isprintable():
+        raise InvalidRequest(
+            "spec_decode.corpus", f"must be printable and at most {MAX_TAG_CHARS} characters (a corpus name)"
         )
     return SpecRequest(name, p.num_speculative_tokens, p.max_tree_nodes, p.workload_tag, p.corpus)

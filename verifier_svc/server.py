@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from specmesh.client import RECONNECT_OPTIONS
 from specmesh.server.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
 from specmesh.server.model_loading import tokenizer_hash
 from specmesh.server.serving import new_server, serve
@@ -29,7 +30,8 @@ from specmesh_router.policy import PolicyStore, SpeculationPolicy
 from specmesh_router.selection import Router, SelectionConfig
 from specmesh_router.stats import StatsBackend, StatsConfig, open_stats
 from verifier_svc.config import VerifierConfig, parse_args
-from verifier_svc.engine import Engine, EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent
+from verifier_svc.engine import Engine
+from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent
 from verifier_svc.local_proposer import inprocess_kind
 from verifier_svc.logprobs import TokenLogprob
 from verifier_svc.proposer_client import GrpcProposerSession
@@ -116,22 +118,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         events: asyncio.Queue[Event] = asyncio.Queue()
         session = self.sessions.open(req, d.proposer)
         if isinstance(session, GrpcProposerSession) and spec.proposer == d.proposer:  # named by the client
-            with contextlib.suppress(TimeoutError):  # one proposer round trip (~1 ms); slow → no wait
-                await asyncio.wait_for(asyncio.shield(session.first_reply), timeout=0.5)
+            try:
+                with contextlib.suppress(TimeoutError):  # one proposer round trip (~1 ms); slow → no wait
+                    await asyncio.wait_for(asyncio.shield(session.first_reply), timeout=0.5)
+            except asyncio.CancelledError:  # the client left while we waited: its stream must not outlive it
+                session.close()
+                raise
             if session.refused is not None:
                 code, details = session.refused
                 session.close()
                 if self.metrics is not None:
                     self.metrics.request_finished("invalid")
                 await context.abort(code, f"spec_decode.proposer {d.proposer!r} refused the request: {details}")
-        prior = self.router.mean_alpha(d.proposer, spec.workload_tag) if session is not None else None
+        estimate = self.router.estimate(d.proposer, spec.workload_tag) if session is not None else None
         try:
             self.engine.submit(
                 req,
                 lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                 session,
                 k_cap=cap_of(d.k) if self.router_caps else None,
-                prior_alpha=prior,
+                estimate=estimate,
             )
         except (EngineFull, EngineStopped) as exc:
             if session is not None:
@@ -147,6 +153,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 ev = await events.get()
                 if isinstance(ev, ErrorEvent):
                     finished = True
+                    if self.metrics is not None:
+                        self.metrics.request_finished("error")
                     await context.abort(grpc.StatusCode.INTERNAL, ev.message)
                 if isinstance(ev, FinishEvent):
                     finished = True
@@ -157,8 +165,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     chunk.logprobs.extend(self._logprobs_pb(ev.token_ids, ev.logprobs))
                 yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
         finally:
-            if not finished:  # client cancelled or disconnected: free the slot now
+            if not finished:  # client cancelled, disconnected or out of time: free the slot now
                 self.engine.cancel(req.request_id)
+                if self.metrics is not None:
+                    self.metrics.request_finished(_unfinished_status(context))
+
+
+def _unfinished_status(context: grpc.aio.ServicerContext) -> str:
+    """Why a stream ended before its last event: the client's deadline passed (gRPC cancels the
+    call then; a little slack for the clocks), or the client cancelled or went away."""
+    left = context.time_remaining()
+    return "deadline_exceeded" if left is not None and left < 0.05 else "cancelled"
 
 
 def _summary(ev: FinishEvent, fallback_reason: str) -> generation_pb2.GenerationSummary:
@@ -333,7 +350,7 @@ async def run(config: VerifierConfig) -> None:
         )
     names = tuple(name for name, _ in config.proposers)
     limits = RequestLimits(max_context=max_context, vocab_size=runner.vocab_size, configured_proposers=names)
-    policy = PolicyStore(names)
+    policy = PolicyStore(names, limits.policy_limits())  # SetPolicy's bounds are the requests' own
     stats = open_stats(
         StatsConfig(redis_url=config.redis_url, key_prefix=config.stats_prefix, half_life_s=config.stats_half_life_s)
     )
@@ -345,7 +362,7 @@ async def run(config: VerifierConfig) -> None:
     # One channel per proposer tier; dns:/// names of headless services balance across replicas.
     local = tuple(name for name, addr in config.proposers if inprocess_kind(addr))
     channels = {
-        name: grpc.aio.insecure_channel(addr, options=[("grpc.lb_policy_name", "round_robin")])
+        name: grpc.aio.insecure_channel(addr, options=[("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS])
         for name, addr in config.proposers
         if name not in local
     }

@@ -22,7 +22,7 @@ STEP_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-REQUEST_STATUSES = ("ok", "error", "rejected", "cancelled", "invalid")
+REQUEST_STATUSES = ("ok", "error", "rejected", "cancelled", "deadline_exceeded", "invalid")
 FALLBACK_CATEGORIES = ("timeout", "unavailable", "stream_ended", "precondition", "invalid_argument", "error")
 
 
@@ -55,6 +55,8 @@ class VerifierMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         r = registry
         self.requests = Counter("specmesh_requests", "Generate requests by outcome", ["status"], registry=r)
+        for status in REQUEST_STATUSES:  # every outcome exported from the start, at 0
+            self.requests.labels(status)
         self.prompt_tokens = Counter("specmesh_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("specmesh_generated_tokens", "Tokens generated (streamed)", registry=r)
         self.ttft = Histogram(

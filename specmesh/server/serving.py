@@ -15,6 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from specmesh.server.request_decoding import DecodeGuard
+
 log = logging.getLogger(__name__)
 
 # Long-lived streams need keepalive; max_connection_age makes clients re-resolve so new replicas get traffic.
@@ -30,7 +32,8 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 
 
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS)
+    """Every SpecMesh gRPC server: a malformed request message is INVALID_ARGUMENT (``DecodeGuard``)."""
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[DecodeGuard()])
 
 
 async def serve(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
@@ -13,7 +14,15 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proposer_svc.stream import Deliver, ProposeStream, StreamConfig, StreamRefused, inline
+from proposer_svc.stream import (
+    OFFLOAD_TOKENS,
+    Deliver,
+    ProposeStream,
+    StreamConfig,
+    StreamLimits,
+    StreamRefused,
+    inline,
+)
 from specmesh.server.metrics import ProposerMetrics
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
@@ -137,6 +146,64 @@ def test_bad_streams_are_aborted_with_their_status(messages, code, details):
     err = exchange(servicer, messages)
     assert isinstance(err, grpc.aio.AioRpcError), err
     assert err.code() == code and err.details().startswith(details), (err.code(), err.details())
+
+
+@pytest.mark.parametrize(
+    ("messages", "details"),
+    [
+        (
+            [start([1] * 11)],
+            "start.prompt_token_ids: 11 tokens, over the test proposer's limit of 10 (--max-stream-tokens)",
+        ),
+        (
+            [start([1] * 6), advance([2] * 5)],
+            "advance: the stream's context would be 11 tokens, over the test proposer's limit of 10",
+        ),
+        ([start([1], nodes=10**9)], "start.budget.max_nodes: 1000000000, over the test proposer's limit of 64"),
+        ([start([1], depth=9)], "start.budget.max_depth: 9, over the test proposer's limit of 8 (--max-budget-depth)"),
+        ([start([1]), advance([2], nodes=65)], "advance.budget.max_nodes: 65, over the test proposer's limit of 64"),
+    ],
+    ids=["prompt", "context", "nodes", "depth", "advance-nodes"],
+)
+def test_a_stream_over_the_proposers_limits_is_refused_naming_the_limit(messages, details):
+    limits = StreamLimits(max_stream_tokens=10, max_budget_nodes=64, max_budget_depth=8)
+    servicer, _ = last_token_stream(StreamConfig(proposer="test", limits=limits))
+    err = exchange(servicer, messages)
+    assert isinstance(err, grpc.aio.AioRpcError), err
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details().startswith(details), err.details()
+
+
+class SlowOnLong(LastToken):
+    """Indexing a long input takes a while (holding the GIL, like the n-gram index would)."""
+
+    def extend(self, tokens: list[int]) -> None:
+        if len(tokens) > OFFLOAD_TOKENS:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                pass
+        super().extend(tokens)
+
+
+def test_a_long_prompt_is_indexed_off_the_loop_while_other_streams_get_their_trees():
+    servicer = ProposeStream(StreamConfig(proposer="test"), inline(lambda start: SlowOnLong(), None))
+
+    async def run() -> tuple[float, bool]:
+        async with served(servicer) as stub:
+            t0 = time.monotonic()
+            long = stub.Propose(iter([start([1] * (OFFLOAD_TOKENS + 1))]), timeout=10)
+            long_reply = asyncio.ensure_future(long.read())
+            await asyncio.sleep(0.1)  # the long Start is being indexed (this test shares the server's loop)
+            call = stub.Propose(timeout=10)
+            for msg in [start([1, 2]), *(advance([i]) for i in range(5))]:
+                await call.write(msg)
+                await call.read()
+            answered_in, still_indexing = time.monotonic() - t0, not long_reply.done()
+            await long_reply
+            await call.done_writing()
+            return answered_in, still_indexing
+
+    answered_in, still_indexing = asyncio.run(run())
+    assert still_indexing and answered_in < 0.6, (answered_in, still_indexing)
 
 
 def test_a_core_refusing_the_start_aborts_with_its_own_status():

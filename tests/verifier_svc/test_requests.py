@@ -46,6 +46,10 @@ def _build(tokenizer, prompt="Hello", sampling=None, spec=None, chat=False):
         ("hi", None, SpecDecodeParams(max_tree_nodes=10_000), "spec_decode.max_tree_nodes"),
         ("hi", None, SpecDecodeParams(workload_tag="x" * 65), "spec_decode.workload_tag"),
         ("hi", None, SpecDecodeParams(workload_tag="a\nb"), "spec_decode.workload_tag"),
+        ("hi", None, SpecDecodeParams(num_speculative_tokens=2**31 - 1), "spec_decode.num_speculative_tokens"),
+        ("hi", None, SpecDecodeParams(max_tree_nodes=2**31 - 1), "spec_decode.max_tree_nodes"),
+        ("hi", None, SpecDecodeParams(corpus="x" * 65), "spec_decode.corpus"),
+        ("hi", None, SpecDecodeParams(corpus="a\nb"), "spec_decode.corpus"),
     ],
 )
 def test_bad_input_is_rejected_naming_the_field(tokenizer, prompt, sampling, spec, field):
@@ -83,3 +87,9 @@ def test_prompt_plus_max_tokens_over_the_context_names_both_numbers(tokenizer):
 def test_logprobs_and_stop_token_ids_reach_the_request(tokenizer):
     req = _build(tokenizer, sampling=SamplingParams(logprobs=0, stop_token_ids=(2, 7)))
     assert req.logprobs == 0 and req.stop_token_ids == frozenset({2, 7})
+
+
+def test_temperatures_below_the_greedy_epsilon_are_greedy():
+    for t in (1e-45, 1e-38, 9e-6):
+        assert _build(tokenizer=None, prompt=[1, 2], sampling=SamplingParams(temperature=t)).temperature == 0.0
+    assert _build(tokenizer=None, prompt=[1, 2], sampling=SamplingParams(temperature=1e-4)).temperature > 0

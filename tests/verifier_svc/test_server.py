@@ -91,6 +91,9 @@ def test_sixteen_mixed_requests_complete_and_a_cancelled_one_frees_its_slot(lm, 
         ({"text": "hi", "sampling": {"top_p": 0}}, "sampling.top_p"),
         ({"text": "hi", "sampling": {"top_p": 1.01}}, "sampling.top_p"),
         ({"text": "hi", "spec_decode": {"proposer": "eagle9"}}, "spec_decode.proposer"),
+        ({"text": "hi", "spec_decode": {"num_speculative_tokens": 2**31 - 1}}, "spec_decode.num_speculative_tokens"),
+        ({"text": "hi", "spec_decode": {"max_tree_nodes": 2**31 - 1}}, "spec_decode.max_tree_nodes"),
+        ({"text": "hi", "spec_decode": {"corpus": "x" * 65}}, "spec_decode.corpus"),
     ],
 )
 def test_bad_input_gets_invalid_argument_naming_the_field_and_server_keeps_serving(
@@ -175,6 +178,92 @@ def test_admin_switches_policy_at_runtime_and_reports_stats(client):
     stats = client.stats()
     assert stats.server.generated_tokens > 0 and stats.server.model == "smollm2-135m-instruct"
     assert stats.policy.mode == admin_pb2.POLICY_MODE_AUTO
+
+
+def test_admin_policy_knobs_beyond_the_servers_limits_are_invalid_argument_naming_field_and_limit(client):
+    from specmesh_router.policy import PolicyLimits
+
+    limits = PolicyLimits()  # the verifier's defaults (RequestLimits)
+    for knob, limit in (
+        ("num_speculative_tokens", limits.max_speculative_tokens),
+        ("max_tree_nodes", limits.max_tree_nodes),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            client.set_policy(admin_pb2.SpeculationPolicy(mode=admin_pb2.POLICY_MODE_AUTO, **{knob: 2**31 - 1}))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(f"policy.{knob}: must be in [0, {limit}]"), err.value.details()
+    assert client.stats().policy.num_speculative_tokens == 0  # the policy is unchanged
+
+
+def test_a_tiny_temperature_gives_exactly_the_greedy_output(client, prompts):
+    ids = prompts[0][1]
+    tiny = client.complete(ids, SamplingParams(temperature=1e-45, seed=3, max_tokens=6))  # logits / t overflow
+    assert tiny.token_ids == client.complete(ids, _greedy(6)).token_ids
+
+
+def test_malformed_request_bytes_are_invalid_argument_without_a_traceback(verifier, client):
+    with grpc.insecure_channel(verifier.address) as ch:
+        generate = ch.unary_stream("/specmesh.v1.GenerationService/Generate")  # raw bytes
+        set_policy = ch.unary_unary("/specmesh.v1.AdminService/SetPolicy")
+        bad_utf8 = generation_pb2.GenerateRequest(text="ab").SerializeToString().replace(b"ab", b"\xff\xfe")
+        for call, raw in ((generate, b"\xff\xff\xff"), (generate, bad_utf8), (set_policy, b"\x0a\x05\x12")):
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(raw, timeout=30)) if call is generate else call(raw, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert len(client.complete("Hello", _greedy(2)).token_ids) == 2
+    log = verifier.log()
+    assert log.count("malformed request message") == 3
+    assert "Traceback" not in log and "Unexpected" not in log
+
+
+def test_metrics_count_every_request_outcome_once(tmp_path, lm):
+    from urllib.request import urlopen
+
+    from specmesh.deploy import free_port
+
+    port = free_port()
+    v = start_verifier(tmp_path, "--max-running", "1", "--max-waiting", "0", "--metrics-port", str(port))
+    long = _greedy(1500, ignore_eos=True)
+    try:
+        with Client(v.address) as c, grpc.insecure_channel(v.address) as ch:
+            c.complete("hi", _greedy(2))  # ok
+            with pytest.raises(grpc.RpcError):
+                c.complete("hi", SamplingParams(top_p=0.0))  # invalid
+            held = c.generate("Count to one hundred.", long, chat=True)
+            next(iter(held))
+            with pytest.raises(grpc.RpcError) as err:
+                c.complete("hi", _greedy(2))  # rejected: the one slot is taken, no queue
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            held.cancel()  # cancelled
+            _wait_idle(c)
+            stub = generation_pb2_grpc.GenerationServiceStub(ch)
+            request = generation_pb2.GenerateRequest(text="Count to one hundred.", sampling=long.to_proto())
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, timeout=1.0))  # deadline_exceeded
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            _wait_idle(c)
+        text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        counts = {
+            status: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith('specmesh_requests_total{status="')
+            for status in [line.split('"')[1]]
+        }
+        assert counts == {"ok": 1, "invalid": 1, "rejected": 1, "cancelled": 1, "deadline_exceeded": 1, "error": 0}, (
+            counts
+        )
+    finally:
+        stop_verifier(v)
+
+
+def _wait_idle(c: Client) -> None:
+    deadline = time.time() + 30
+    while time.time() < deadline:  # the cancellation reaches the engine
+        server = c.stats().server
+        if server.running_requests + server.waiting_requests == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server never became idle: {server}")
 
 
 def test_too_many_concurrent_requests_get_resource_exhausted(tmp_path, lm):

@@ -78,3 +78,28 @@ def test_sample_from_probs_inverse_cdf_edges():
     assert sample_from_probs(probs, torch.tensor([0.2, 0.999])).tolist() == [0, 1]
     assert sample_from_probs(probs, torch.tensor([0.6, 1e-9])).tolist() == [2, 1]
     assert not math.isnan(float(sample_from_probs(probs, torch.tensor([1 - 1e-12, 0.5]))[0]))
+
+
+def test_tiny_temperature_is_greedy_not_an_overflow_to_the_last_token():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.25]])
+    ones, zeros = torch.ones(2), torch.zeros(2, dtype=torch.long)
+    for t in (1e-45, 1e-38, 1e-6):  # 1e-45: logits / t is inf, softmax NaN
+        tokens = sample_next(logits, torch.full((2,), t), ones, zeros, torch.tensor([1, 2]), torch.tensor([0, 0]))
+        assert tokens.tolist() == [1, 0]
+        assert not torch.isnan(torch.softmax(filter_logits(logits, torch.full((2,), t), ones, zeros), -1)).any()
+
+
+def test_sampling_with_nan_and_inf_logits_stays_in_the_vocabulary_and_never_nan():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[nan, 1.0, 2.0, nan], [0.0, inf, 1.0, inf], [nan, nan, nan, nan]])
+    one, k0 = torch.ones(3), torch.zeros(3, dtype=torch.long)
+    for top_p, top_k in ((one, k0), (torch.full((3,), 0.5), torch.full((3,), 2))):
+        probs = torch.softmax(filter_logits(logits, one, top_p, top_k), -1)
+        assert not torch.isnan(probs[:2]).any()
+        assert probs[0, 0] == probs[0, 3] == 0  # a NaN logit is never drawn
+        assert probs[1, 1] + probs[1, 3] == 1  # +inf logits share the mass
+    for seed in range(20):
+        tokens = sample_next(logits, one, one, k0, torch.full((3,), seed), torch.arange(3)).tolist()
+        assert tokens[0] in (1, 2) and tokens[1] in (1, 3) and 0 <= tokens[2] < 4
+    nan_probs = torch.tensor([[nan, nan, nan], [0.0, 0.0, 0.0], [nan, 0.3, inf]])
+    assert sample_from_probs(nan_probs, torch.full((3,), 0.99, dtype=torch.float64)).tolist() == [0, 0, 1]
