@@ -70,9 +70,25 @@ class RequestLimits:
     max_speculative_tokens: int = PolicyLimits.max_speculative_tokens
     max_tree_nodes: int = PolicyLimits.max_tree_nodes
     configured_proposers: tuple[str, ...] = ()
+    # Prompt text (UTF-8 bytes) beyond this cannot fit the context whatever it tokenizes to, so it is
+    # refused before tokenizing (``max_prompt_bytes``); None: no pre-check.
+    max_prompt_bytes: int | None = None
 
     def policy_limits(self) -> PolicyLimits:
         return PolicyLimits(self.max_speculative_tokens, self.max_tree_nodes)
+
+
+def max_prompt_bytes(tokenizer: Any, max_context: int) -> int:
+    """The most UTF-8 bytes a prompt of ``max_context`` tokens can hold: no token stands for more
+    bytes than its vocabulary string's UTF-8 length (byte-level BPE writes each byte as one char of
+    1-2 bytes, SentencePiece "▁" as 3 for 1), so longer text cannot fit and is refused untokenized.
+
+    >>> class Vocab:
+    ...     def get_vocab(self): return {"a": 0, "Ġthe": 1, "<|endoftext|>": 2}
+    >>> max_prompt_bytes(Vocab(), 100)
+    1300
+    """
+    return max_context * max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
 
 
 def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: RequestLimits) -> GenerationRequest:
@@ -131,6 +147,7 @@ def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: Req
     if kind == "text":
         if not msg.text:
             raise InvalidRequest("input.text", "empty prompt")
+        _check_size("input.text", len(msg.text.encode("utf-8")), limits)
         ids = tokenizer.encode(msg.text, add_special_tokens=True)
     elif kind == "token_ids":
         ids = list(msg.token_ids.ids)
@@ -147,6 +164,7 @@ def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: Req
             raise InvalidRequest("input.chat", "empty prompt: no message content")
         if bad_roles := {m["role"] for m in messages} - {"system", "user", "assistant"}:
             raise InvalidRequest("input.chat", f"unknown role {sorted(bad_roles)[0]!r}")
+        _check_size("input.chat", sum(len(m["content"].encode("utf-8")) for m in messages), limits)
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         except Exception as exc:  # template errors are the request's fault (e.g. role order)
@@ -159,6 +177,15 @@ def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: Req
             f"input.{kind}", f"prompt has {len(ids)} tokens; the model's context is {limits.max_context} tokens"
         )
     return ids
+
+
+def _check_size(field: str, n_bytes: int, limits: RequestLimits) -> None:
+    if limits.max_prompt_bytes is not None and n_bytes > limits.max_prompt_bytes:
+        raise InvalidRequest(
+            field,
+            f"prompt of {n_bytes} bytes cannot fit the model's context of {limits.max_context} tokens "
+            f"(at most {limits.max_prompt_bytes} bytes); refused before tokenizing",
+        )
 
 
 def _spec(msg: generation_pb2.GenerateRequest, limits: RequestLimits) -> SpecRequest:

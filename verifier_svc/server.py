@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -40,6 +41,7 @@ from verifier_svc.requests import (
     ProposerNotConfigured,
     RequestLimits,
     build_request,
+    max_prompt_bytes,
 )
 from verifier_svc.sessions import ProposerTiers, SessionOpener
 from verifier_svc.speculation import cap_of
@@ -72,6 +74,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> None:
         self.engine, self.tokenizer, self.limits, self.router = engine, tokenizer, limits, router
         self.sessions, self.metrics = sessions, metrics
+        # One thread: requests tokenize in arrival order, and the fast tokenizer's settings are never
+        # touched from two threads at once (its Rust object refuses concurrent mutable borrows).
+        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specmesh-tokenize")
         self.router_caps = router_caps  # False (--spec-gating always): the router picks proposers, not k
         # A token's text on its own, for logprobs; cached (bounded by the vocabulary) since it repeats.
         self.token_text = functools.lru_cache(maxsize=65536)(
@@ -95,8 +100,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        try:
-            req = build_request(request, self.tokenizer, self.limits)
+        try:  # tokenizing (and chat templates) off the event loop: other streams keep flowing
+            req = await asyncio.get_running_loop().run_in_executor(
+                self.tokenize_pool, build_request, request, self.tokenizer, self.limits
+            )
         except InvalidRequest as exc:
             if self.metrics is not None:
                 self.metrics.request_finished("invalid")
@@ -349,7 +356,12 @@ async def run(config: VerifierConfig) -> None:
             flush=True,
         )
     names = tuple(name for name, _ in config.proposers)
-    limits = RequestLimits(max_context=max_context, vocab_size=runner.vocab_size, configured_proposers=names)
+    limits = RequestLimits(
+        max_context=max_context,
+        vocab_size=runner.vocab_size,
+        configured_proposers=names,
+        max_prompt_bytes=max_prompt_bytes(lm.tokenizer, max_context),
+    )
     policy = PolicyStore(names, limits.policy_limits())  # SetPolicy's bounds are the requests' own
     stats = open_stats(
         StatsConfig(redis_url=config.redis_url, key_prefix=config.stats_prefix, half_life_s=config.stats_half_life_s)

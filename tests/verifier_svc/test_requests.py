@@ -93,3 +93,28 @@ def test_temperatures_below_the_greedy_epsilon_are_greedy():
     for t in (1e-45, 1e-38, 9e-6):
         assert _build(tokenizer=None, prompt=[1, 2], sampling=SamplingParams(temperature=t)).temperature == 0.0
     assert _build(tokenizer=None, prompt=[1, 2], sampling=SamplingParams(temperature=1e-4)).temperature > 0
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_a_prompt_too_long_to_fit_in_any_tokenization_is_refused_before_tokenizing(tokenizer, chat):
+    """64 tokens of this vocabulary hold at most ``max_prompt_bytes`` bytes: longer text cannot fit,
+    so it is refused from its size alone; text just under that is tokenized (and refused by count)."""
+    from dataclasses import replace
+
+    from specmesh.params import build_request as message
+    from verifier_svc.requests import max_prompt_bytes
+
+    limits = replace(LIMITS, max_prompt_bytes=max_prompt_bytes(tokenizer, LIMITS.max_context))
+    assert 64 * 4 < limits.max_prompt_bytes <= 64 * 256  # the longest vocabulary entry, times the context
+    field = "input.chat" if chat else "input.text"
+
+    def prompt(n: int):
+        text = "x" * n
+        return [{"role": "user", "content": text}] if chat else text
+
+    with pytest.raises(InvalidRequest, match="refused before tokenizing") as over:
+        build_request(message(prompt(limits.max_prompt_bytes + 1), None, None, chat), tokenizer, limits)
+    assert over.value.field == field
+    with pytest.raises(InvalidRequest, match="tokens; the model's context") as under:
+        build_request(message(prompt(limits.max_prompt_bytes), None, None, chat), tokenizer, limits)
+    assert under.value.field == field

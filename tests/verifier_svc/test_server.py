@@ -1,6 +1,7 @@
 """The verifier as a real gRPC process: greedy equality with transformers, concurrency and
 cancellation, input validation, admission limits, health, reflection, admin and SIGTERM drain."""
 
+import itertools
 import signal
 import threading
 import time
@@ -339,3 +340,31 @@ def test_logprobs_are_the_models_distribution_as_sampling_used_it(lm, client, pr
             assert lp.logprob == pytest.approx(float(want[j, tok]), abs=1e-3)
             assert [t.token_id for t in lp.top] == torch.topk(want[j], 4).indices.tolist()
             assert lp.token == lm.tokenizer.decode([tok])
+
+
+def test_a_huge_prompt_is_refused_at_once_without_stalling_the_running_streams(client, prompts):
+    """3.5 MB of text (under gRPC's 4 MB message limit; tokenizing it took ~4 s on the event loop
+    and froze every stream) is refused from its size before tokenizing, as is the same in chat; the
+    streams running meanwhile never wait more than 1.5 s between chunks (a step here is ~0.1 s)."""
+    huge = "lorem ipsum dolor " * 200_000  # 3.6 MB
+    arrivals: list[list[float]] = [[], []]
+
+    def stream(i: int) -> None:
+        for _ in client.generate(prompts[i][1], _greedy(48, ignore_eos=True)):
+            arrivals[i].append(time.perf_counter())
+
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(stream, i) for i in range(2)]
+        while not all(arrivals):
+            time.sleep(0.01)
+        for prompt, field in ((huge, "input.text"), ([{"role": "user", "content": huge}], "input.chat")):
+            t0 = time.perf_counter()
+            with pytest.raises(grpc.RpcError) as err:
+                client.complete(prompt, _greedy(4), chat=field == "input.chat")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.value.details() and "before tokenizing" in err.value.details()
+            assert time.perf_counter() - t0 < 1.5
+        for f in running:
+            f.result(timeout=120)
+    gaps = [b - a for times in arrivals for a, b in itertools.pairwise(times)]
+    assert max(gaps) < 1.5, f"largest gap between chunks {max(gaps):.2f} s"
