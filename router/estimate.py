@@ -113,21 +113,32 @@ class RequestEstimate:
     strength: float = 2.0 / 0.3  # prior weight in trials at the start (2 steps' worth of EWMA 0.3)
     keep: float = 0.7  # weight left to older evidence (and the prior) per observation
     seen: AcceptanceStats = field(default_factory=AcceptanceStats)
-    weight: float | None = None  # the prior's current weight; None: ``strength``
+    weight: float = field(init=False)  # the prior's current weight
+
+    def __post_init__(self) -> None:
+        self.weight = self.strength
 
     @classmethod
     def from_posterior(cls, post: Posterior | None, prior_mean: float = 0.5) -> RequestEstimate:
         return cls(tuple(post.means()) if post is not None and post.a else (prior_mean,))
 
     def observe(self, sample: AcceptanceStats) -> None:
-        w = self.strength if self.weight is None else self.weight
-        self.weight = w * self.keep
+        self.weight *= self.keep
         self.seen = self.seen.scaled(self.keep) + sample
 
     def posterior(self, base: Posterior, depth: int) -> Posterior:
         """This request's Beta per depth, for the router's k (wait and evidence from ``base``, the
         shared posterior of the same proposer)."""
-        w = self.strength if self.weight is None else self.weight
+        a, b = self._beta(depth)
+        return replace(base, a=tuple(a), b=tuple(b))
+
+    def alphas(self, depth: int) -> list[float]:
+        """Posterior mean α per depth 1 … ``depth`` (at most ``MAX_ALPHA``)."""
+        a, b = self._beta(depth)
+        return [min(x / (x + y), MAX_ALPHA) for x, y in zip(a, b, strict=True)]
+
+    def _beta(self, depth: int) -> tuple[list[float], list[float]]:
+        w = self.weight
         a: list[float] = []
         b: list[float] = []
         mean = self.prior[0]
@@ -137,12 +148,7 @@ class RequestEstimate:
             a.append(mean * w + hits)
             b.append((1 - mean) * w + max(trials - hits, 0.0))
             mean = a[-1] / (a[-1] + b[-1]) if a[-1] + b[-1] > 0 else mean
-        return replace(base, a=tuple(a), b=tuple(b))
-
-    def alphas(self, depth: int) -> list[float]:
-        """Posterior mean α per depth 1 … ``depth`` (at most ``MAX_ALPHA``)."""
-        post = self.posterior(Posterior("", (), ()), depth)
-        return [min(m, MAX_ALPHA) for m in post.means()]
+        return a, b
 
 
 def expected_accepted(alphas: Sequence[float]) -> list[float]:

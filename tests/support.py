@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,3 +200,21 @@ def stop_redis(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait(timeout=10)
+
+
+@asynccontextmanager
+async def served_proposer(servicer) -> AsyncIterator:
+    """``servicer`` as a ProposerService on a loopback port of this event loop; yields a stub to it."""
+    import grpc
+
+    from specmesh.v1 import proposer_pb2_grpc
+
+    server = grpc.aio.server()
+    proposer_pb2_grpc.add_ProposerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield proposer_pb2_grpc.ProposerServiceStub(channel)
+    finally:
+        await server.stop(None)

@@ -9,6 +9,8 @@ uniforms handed to ``specmesh_kernels.tree_accept``, one device-to-host copy for
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from specmesh.server.sampling import filter_logits, repeat_rows, sample_next
@@ -34,9 +36,7 @@ def accept_batch(
     if logits.device.type == "cuda" and max(len(t) for t in trees) <= KERNEL_MAX_NODES:
         return accept_on_device(reqs, context_lengths, trees, logits)
     argmax = logits.argmax(dim=-1).tolist()  # one host copy for every greedy decision
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
+    starts = [0, *itertools.accumulate(counts)]
     results: list[tuple[list[int], int] | None] = [None] * len(reqs)
     sampled = [i for i, r in enumerate(reqs) if r.temperature > 0]
     for i, tree in enumerate(trees):

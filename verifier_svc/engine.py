@@ -10,6 +10,7 @@ Requests join and leave the running batch between steps. One iteration of the lo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -260,11 +261,12 @@ class Engine:
         counts = [len(t) + 1 for t in trees]
         logits = self.runner.logits(hidden[unpadded(counts, dev)])  # [sum(n_i + 1), vocab]
         results = accept_batch([s.req for s in seqs], [s.context_length for s in seqs], trees, logits, counts)
+        starts = [0, *itertools.accumulate(counts)]  # request i's first logits row
 
         def drawn(i: int) -> tuple[list[int], list[int]]:
             """Emitted token j of request i was drawn at its parent's row: the root (the pending token's
             row) for the first, accepted node path[j - 1] for the rest; the bonus after the last."""
-            (path, bonus), start = results[i], sum(counts[:i])
+            (path, bonus), start = results[i], starts[i]
             return [start, *(start + 1 + k for k in path)], [*(trees[i].tokens[k] for k in path), bonus]
 
         logprobs = step_logprobs([s.req for s in seqs], logits, drawn)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Iterable
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
+from support import served_proposer as served
 
 from proposer_svc.stream import (
     OFFLOAD_TOKENS,
@@ -24,7 +24,7 @@ from proposer_svc.stream import (
     inline,
 )
 from specmesh.server.metrics import ProposerMetrics
-from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+from specmesh.v1 import proposer_pb2
 
 
 class LastToken:
@@ -65,19 +65,6 @@ def advance(tokens: list[int], nodes: int | None = None) -> proposer_pb2.Propose
 
 
 END = proposer_pb2.ProposeRequest(end=proposer_pb2.ProposeEnd())
-
-
-@asynccontextmanager
-async def served(servicer: ProposeStream) -> AsyncIterator[proposer_pb2_grpc.ProposerServiceStub]:
-    server = grpc.aio.server()
-    proposer_pb2_grpc.add_ProposerServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield proposer_pb2_grpc.ProposerServiceStub(channel)
-    finally:
-        await server.stop(None)
 
 
 def exchange(servicer: ProposeStream, messages: Iterable[proposer_pb2.ProposeRequest]):

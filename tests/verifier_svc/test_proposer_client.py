@@ -13,12 +13,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from concurrent import futures
-from contextlib import asynccontextmanager
 
 import grpc
 import pytest
+from support import served_proposer as served
 from support import start_verifier, stop_process, stop_verifier
 
 from specmesh import Client, SamplingParams, SpecDecodeParams
@@ -61,19 +60,6 @@ class Garbage(proposer_pb2_grpc.ProposerServiceServicer):
             yield proposer_pb2.ProposeResponse(
                 context_length=3, tree=proposer_pb2.TokenTree(tokens=[5, 6], parents=[1, 0])
             )
-
-
-@asynccontextmanager
-async def served(servicer) -> AsyncIterator[proposer_pb2_grpc.ProposerServiceStub]:
-    server = grpc.aio.server()
-    proposer_pb2_grpc.add_ProposerServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield proposer_pb2_grpc.ProposerServiceStub(channel)
-    finally:
-        await server.stop(None)
 
 
 def open_session(name: str, stub) -> GrpcProposerSession:
