@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway_svc.auth import ApiKeyCheck
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import ApiError, from_grpc
 from gateway_svc.metrics import GatewayMetrics
@@ -38,6 +39,7 @@ from gateway_svc.responses import (
     usage_of,
 )
 from specmesh.client import AsyncClient
+from specmesh.credentials import TlsOptions
 from specmesh.params import Chunk, Prompt, SamplingParams, SpecDecodeParams, Summary, TokenLogprob
 from specmesh.server.metrics import REGISTRY
 
@@ -84,18 +86,32 @@ class Gateway:
         self._model: ModelInfo | None = None
 
     async def start(self) -> None:
-        self.client = AsyncClient(self.config.verifier)  # the channel belongs to the serving loop
+        c = self.config
+        tls = None
+        if c.verifier_tls_ca:  # a client certificate of its own, else its https one (mutual TLS)
+            cert, key = (c.verifier_tls_cert, c.verifier_tls_key) if c.verifier_tls_cert else (c.tls_cert, c.tls_key)
+            tls = TlsOptions(ca=c.verifier_tls_ca, cert=cert or None, key=key or None)
+        # the channel belongs to the serving loop; the token is the gateway's own, never a client's
+        self.client = AsyncClient(c.verifier, tls=tls, token=c.verifier_token)
 
     async def close(self) -> None:
         if self.client is not None:
             await self.client.close()
 
     async def model(self) -> ModelInfo:
-        """The served model, asked of the verifier once (503 while it cannot be reached)."""
+        """The served model, asked of the verifier once (503 while it cannot be reached). A verifier
+        that serves AdminService only on its --admin-address answers UNIMPLEMENTED here: then the
+        name is --served-model-name and the context length unknown (0)."""
         if self._model is None:
             try:
                 stats = (await self.client.stats(timeout=5.0)).server
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.config.served_model_name:
+                    self._model = ModelInfo(self.config.served_model_name, 0, int(time.time()))
+                    return self._model
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    msg = "the verifier serves AdminService on a separate --admin-address: set --served-model-name"
+                    raise ApiError(500, msg, "server_error") from None
                 raise from_grpc(exc) from None
             name = self.config.served_model_name or stats.model
             self._model = ModelInfo(name, stats.max_context_tokens, int(time.time()))
@@ -208,6 +224,8 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
 
     app = FastAPI(title="SpecMesh OpenAI-compatible API", lifespan=lifespan)
     app.state.gateway = gw
+    if config.api_keys:
+        app.add_middleware(ApiKeyCheck, keys=config.api_keys)
 
     def error_response(err: ApiError, endpoint: str = "") -> JSONResponse:
         headers = {"Retry-After": str(config.retry_after_s)} if err.status == 429 else None

@@ -1,7 +1,8 @@
 """Errors in OpenAI's JSON shape, and the verifier's gRPC statuses mapped onto HTTP.
 
 ``{"error": {"message", "type", "param", "code"}}``: INVALID_ARGUMENT / FAILED_PRECONDITION → 400
-with the offending request field in ``param``, RESOURCE_EXHAUSTED → 429 with ``Retry-After``,
+with the offending request field in ``param``, RESOURCE_EXHAUSTED → 429 with ``Retry-After`` (but 400
+``context_length_exceeded`` for a request too large for the verifier's KV budget),
 UNAVAILABLE → 503, DEADLINE_EXCEEDED → 504, anything else → 500 (a message, never a traceback).
 """
 
@@ -31,6 +32,8 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
     grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
 }
+# The verifier's RESOURCE_EXHAUSTED for a request that could not fit its KV budget even alone.
+NEVER_FITS = "(--kv-cache-memory)"
 _CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}
 
 
@@ -80,6 +83,9 @@ def param_of(details: str, max_tokens_param: str, logprobs_param: str) -> str | 
 def from_grpc(exc: grpc.RpcError, max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs") -> ApiError:
     code, details = exc.code(), exc.details() or ""
     status, kind = _STATUS.get(code, (500, "server_error"))
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and NEVER_FITS in details:  # retrying cannot help: 400
+        message = f"{max_tokens_param}: {details}"
+        return ApiError(400, message, "invalid_request_error", max_tokens_param, "context_length_exceeded")
     param = param_of(details, max_tokens_param, logprobs_param) if status == 400 else None
     message = param + details[len(_field(details)) :] if param else details  # the field as the client named it
     if status == 503:

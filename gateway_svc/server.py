@@ -22,6 +22,8 @@ async def run(config: GatewayConfig) -> None:
             access_log=False,
             timeout_graceful_shutdown=int(config.grace_s),  # SIGTERM: stop accepting, let streams finish
             timeout_keep_alive=30,
+            ssl_certfile=config.tls_cert or None,
+            ssl_keyfile=config.tls_key or None,
         )
     )
     task = asyncio.create_task(server.serve())
@@ -29,7 +31,8 @@ async def run(config: GatewayConfig) -> None:
         await asyncio.sleep(0.05)
     if server.started:
         bound = server.servers[0].sockets[0].getsockname()
-        print(f"gateway on http://{bound[0]}:{bound[1]}/v1 (verifier {config.verifier})", flush=True)
+        scheme = "https" if config.tls_cert else "http"
+        print(f"gateway on {scheme}://{bound[0]}:{bound[1]}/v1 (verifier {config.verifier})", flush=True)
     await task
 
 

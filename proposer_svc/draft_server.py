@@ -18,13 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from proposer_svc.process import ServingConfig, add_serving_flags, serve_proposer, serving_config
+from proposer_svc.process import ServingConfig, add_serving_flags, proposer_server, serve_proposer, serving_config
 from proposer_svc.stream import Deliver, Opener, ProposeStream, StreamConfig, StreamLimits
 from specmesh.server.flags import ServiceFlags
 from specmesh.server.log_limit import RateLimitedLog
 from specmesh.server.metrics import ProposerMetrics
 from specmesh.server.packed_linear import add_linears_flag
-from specmesh.server.serving import new_server
 from specmesh.v1 import proposer_pb2
 
 if TYPE_CHECKING:
@@ -269,7 +268,7 @@ def build_flags() -> ServiceFlags:
 def parse_args(argv: list[str] | None = None) -> DraftServerConfig:
     f = build_flags()
     a = f.parse(argv)
-    serving = serving_config(a)
+    serving = serving_config(f, a)
     return DraftServerConfig(
         serving=serving,
         model=a.model,
@@ -315,7 +314,7 @@ async def run(cfg: DraftServerConfig) -> None:
     loop.start()
     servicer = ProposeStream(draft_stream_config(identity, config, cfg.serving.limits), draft_opener(loop), metrics)
     try:
-        await serve_proposer(new_server(), servicer, cfg.serving, "draft")
+        await serve_proposer(proposer_server(cfg.serving), servicer, cfg.serving, "draft")
     finally:
         loop.stop()
         if loop.proposals:

@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
+from specmesh.credentials import TlsOptions, add_client_flags, bearer, client_tls, client_token, read_token
+from specmesh.credentials import channel as open_channel
 from specmesh.v1 import rag_pb2, rag_pb2_grpc
 
 DEFAULT_RAG_ADDRESS = "127.0.0.1:50063"
@@ -63,7 +65,7 @@ def _with_upload_bar(requests: Iterator[rag_pb2.IngestRequest], total_bytes: int
             bar.update(len(req.chunk.data))  # 0 for the start message
 
 
-def _ingest(stub: rag_pb2_grpc.RagServiceStub, a: argparse.Namespace) -> None:
+def _ingest(stub: rag_pb2_grpc.RagServiceStub, a: argparse.Namespace, md: tuple) -> None:
     files = [Path(f) for f in a.files]
     for f in files:
         if not f.is_file():
@@ -74,7 +76,7 @@ def _ingest(stub: rag_pb2_grpc.RagServiceStub, a: argparse.Namespace) -> None:
     total_bytes = sum(f.stat().st_size for f in files) + sum(len(t.encode()) for t in texts)
     t0 = time.perf_counter()
     requests = _with_upload_bar(ingest_requests(a.corpus, files, texts, a.replace), total_bytes)
-    resp = stub.Ingest(requests, timeout=a.timeout)
+    resp = stub.Ingest(requests, timeout=a.timeout, metadata=md)
     c = resp.corpus
     print(
         f"corpus {c.name}: +{resp.documents_added} documents, +{resp.tokens_added} tokens -> {c.documents} documents, "
@@ -83,8 +85,8 @@ def _ingest(stub: rag_pb2_grpc.RagServiceStub, a: argparse.Namespace) -> None:
     )
 
 
-def _list(stub: rag_pb2_grpc.RagServiceStub, a: argparse.Namespace) -> None:
-    resp = stub.ListCorpora(rag_pb2.ListCorporaRequest(), timeout=a.timeout)
+def _list(stub: rag_pb2_grpc.RagServiceStub, a: argparse.Namespace, md: tuple) -> None:
+    resp = stub.ListCorpora(rag_pb2.ListCorporaRequest(), timeout=a.timeout, metadata=md)
     print(f"model {resp.model}, tokenizer {resp.tokenizer_hash}")
     print(f"{'corpus':<24} {'documents':>9} {'tokens':>12}  {'tokenizer':<16}  updated")
     for c in resp.corpora:
@@ -104,15 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
     for q in (ing, lst):
         q.add_argument("--target", default=None, help=f"rag proposer host:port (default {DEFAULT_RAG_ADDRESS})")
         q.add_argument("--timeout", type=float, default=600.0, help="seconds")
+        add_client_flags(q)  # the rag proposer's TLS, and its tier token (--auth-token-file) as --token-file
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
     target = a.target or default_target()
-    with grpc.insecure_channel(target) as channel:
+    tls, token = client_tls(a), client_token(a)
+    from specmesh.deploy import known_credentials, known_services
+
+    if target == known_services().get("rag"):  # the running `specmesh up`: its certificates and tier token
+        local_tls, local_tokens = known_credentials()
+        if tls is None and local_tls:
+            tls = TlsOptions(ca=local_tls["ca"], cert=local_tls["cert"], key=local_tls["key"])
+        token = token or (read_token(local_tokens["proposer"]) if "proposer" in local_tokens else "")
+    with open_channel(target, tls) as channel:
         stub = rag_pb2_grpc.RagServiceStub(channel)
         try:
-            {"ingest": _ingest, "list": _list}[a.cmd](stub, a)
+            {"ingest": _ingest, "list": _list}[a.cmd](stub, a, bearer(token))
         except grpc.RpcError as exc:
             sys.exit(f"specmesh rag {a.cmd}: {exc.code().name}: {exc.details()}")

@@ -34,12 +34,11 @@ from proposer_svc.datastore import (
     default_data_dir,
     tokenize_documents,
 )
-from proposer_svc.process import ServingConfig, add_serving_flags, serve_proposer, serving_config
+from proposer_svc.process import ServingConfig, add_serving_flags, proposer_server, serve_proposer, serving_config
 from proposer_svc.rag import RagConfig, RagRequest
 from proposer_svc.stream import Opener, ProposeStream, StreamConfig, StreamRefused, inline
 from specmesh.server.flags import ServiceFlags, at_least
 from specmesh.server.metrics import ProposerMetrics
-from specmesh.server.serving import new_server
 from specmesh.v1 import proposer_pb2, rag_pb2, rag_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -202,7 +201,7 @@ def build_flags() -> ServiceFlags:
 def parse_args(argv: list[str] | None = None) -> RagServerConfig:
     f = build_flags()
     a = f.parse(argv)
-    serving = serving_config(a)
+    serving = serving_config(f, a)
     at_least(f, "--max-match", a.max_match, a.min_match)
     return RagServerConfig(
         serving=serving,
@@ -224,7 +223,7 @@ async def run(cfg: RagServerConfig) -> None:
     thash = tokenizer_hash(tokenizer)
     store = Datastore(cfg.data_dir or default_data_dir())
     log.info("datastore %s: corpora %s; tokenizer %s", store.root, store.names() or "none", thash)
-    server = new_server()
+    server = proposer_server(cfg.serving)
     model = cfg.model or DEFAULT_MODEL
     rag_pb2_grpc.add_RagServiceServicer_to_server(
         RagServicer(store, tokenizer, thash, model, cfg.max_ingest_bytes), server

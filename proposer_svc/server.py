@@ -11,12 +11,11 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from proposer_svc.process import ServingConfig, add_serving_flags, serve_proposer, serving_config
+from proposer_svc.process import ServingConfig, add_serving_flags, proposer_server, serve_proposer, serving_config
 from proposer_svc.stream import Opener, ProposeStream, StreamConfig, inline
 from specmesh.server.flags import ServiceFlags, at_least
 from specmesh.server.metrics import ProposerMetrics
 from specmesh.server.ngram import NgramConfig, NgramIndex
-from specmesh.server.serving import new_server
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ def build_flags() -> ServiceFlags:
 def parse_args(argv: list[str] | None = None) -> NgramServerConfig:
     f = build_flags()
     a = f.parse(argv)
-    serving = serving_config(a)
+    serving = serving_config(f, a)
     at_least(f, "--max-n", a.max_n, a.min_n)
     ngram = NgramConfig(min_n=a.min_n, max_n=a.max_n, max_nodes=a.max_nodes, max_depth=a.max_depth)
     return NgramServerConfig(serving=serving, ngram=ngram)
@@ -54,7 +53,7 @@ async def run(cfg: NgramServerConfig) -> None:
     metrics = ProposerMetrics("ngram")
     config = StreamConfig(proposer="ngram", limits=cfg.serving.limits)
     servicer = ProposeStream(config, ngram_opener(cfg.ngram, metrics), metrics)
-    await serve_proposer(new_server(), servicer, cfg.serving, "ngram")
+    await serve_proposer(proposer_server(cfg.serving), servicer, cfg.serving, "ngram")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """SpecMesh client SDK. Imports grpc and protobuf only (no torch)."""
 
 from specmesh.client import AsyncClient, Client, GenerationStream
+from specmesh.credentials import TlsOptions
 from specmesh.params import Chunk, Completion, SamplingParams, SpecDecodeParams, Summary, TokenLogprob, TopLogprob
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "SamplingParams",
     "SpecDecodeParams",
     "Summary",
+    "TlsOptions",
     "TokenLogprob",
     "TopLogprob",
 ]

@@ -19,6 +19,7 @@ import grpc
 
 from specmesh import extras
 from specmesh.client import DEFAULT_ADDRESS, Client
+from specmesh.credentials import TlsOptions, add_client_flags, client_tls, client_token, read_token
 from specmesh.params import SamplingParams, SpecDecodeParams
 
 # An edit task: the answer copies most of the input, where prompt lookup shines.
@@ -95,6 +96,8 @@ def _deployment(args: argparse.Namespace):
         draft_model=args.draft_model,
         gateway_address=args.gateway,
         run_dir=Path(args.run_dir) if args.run_dir else DeploymentConfig().run_dir,
+        tls=args.tls,
+        auth=args.auth,
     )
     return LocalDeployment(cfg)
 
@@ -107,6 +110,13 @@ def _up(args: argparse.Namespace) -> None:
         print(f"  {svc.name:<10} {svc.address:<22} pid {svc.proc.pid}  log {svc.log_path}", flush=True)
     if dep.gateway_url:
         print(f"specmesh: OpenAI-compatible API at {dep.gateway_url} (e.g. OpenAI(base_url=...))", flush=True)
+    if tls := dep.tls_files:
+        print(f"specmesh: mutual TLS on every hop; CA {tls['ca']}, certificate {tls['cert']}, key {tls['key']}")
+    if tokens := dep.token_files:
+        listed = ", ".join(f"{k} {v}" for k, v in tokens.items())
+        print(f"specmesh: tokens required: {listed}")
+    if tls or tokens:
+        print("specmesh: generate/admin/status use these for this deployment; other clients pass them explicitly")
     print("specmesh: ready. Ctrl-C stops every service.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -159,13 +169,46 @@ def _stream_one(client: Client, prompt: str, sampling: SamplingParams, spec: Spe
     return tps
 
 
+def _rpc_error(cmd: str, exc: grpc.RpcError, tls: TlsOptions | None) -> str:
+    """The one line a failed call exits with; a refused connection hints at TLS (a plaintext client
+    on a TLS port, or a missing client certificate, reads "Socket closed" otherwise)."""
+    line = f"specmesh {cmd}: {exc.code().name}: {exc.details()}"
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in (exc.details() or ""):
+        line += (
+            " (a TLS port? give --tls-ca, and --tls-cert/--tls-key for mutual TLS)"
+            if tls is None or not tls.cert
+            else " (is the server's CA --tls-ca, and does it accept this client certificate?)"
+        )
+    return line
+
+
+def _credentials(args: argparse.Namespace, token_kind: str) -> tuple[TlsOptions | None, str]:
+    """TLS and token for ``args.target``: the flags (or their variables), else, for an address of the
+    running ``specmesh up`` deployment, the certificates and the ``token_kind`` token it generated."""
+    from specmesh.deploy import known_credentials, known_services
+
+    try:
+        tls, token = client_tls(args), client_token(args)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"specmesh {args.cmd}: {exc}")
+    targets = args.target if isinstance(args.target, list) else [args.target]
+    if args.cmd == "status" or set(targets) & set(known_services().values()):
+        local_tls, local_tokens = known_credentials()
+        if tls is None and local_tls:
+            tls = TlsOptions(ca=local_tls["ca"], cert=local_tls["cert"], key=local_tls["key"])
+        if not token and token_kind in local_tokens:
+            token = read_token(local_tokens[token_kind])
+    return tls, token
+
+
 def _generate(args: argparse.Namespace) -> None:
     spec = SpecDecodeParams(proposer=args.proposer, num_speculative_tokens=args.num_speculative_tokens)
-    with Client(args.target) as client:
+    tls, token = _credentials(args, "client")
+    with Client(args.target, tls=tls, token=token) as client:
         try:
             _stream_one(client, args.prompt, _sampling(args), spec, chat=not args.raw)
         except grpc.RpcError as exc:
-            sys.exit(f"specmesh generate: {exc.code().name}: {exc.details()}")
+            sys.exit(_rpc_error("generate", exc, tls))
 
 
 def _status(args: argparse.Namespace) -> None:
@@ -174,6 +217,7 @@ def _status(args: argparse.Namespace) -> None:
     from specmesh.health import check_health
 
     services, urls = dict(known_services()), known_health_urls()
+    tls, _ = _credentials(args, "client")
     for i, addr in enumerate(args.target or []):
         services[f"target{i}"] = addr
     if not services:
@@ -182,7 +226,8 @@ def _status(args: argparse.Namespace) -> None:
         services = {"verifier": DEFAULT_ADDRESS}
     bad = 0
     for name, addr in services.items():
-        state = check_http_health(urls[name]) if name in urls else check_health(addr)
+        ca = tls.ca if tls is not None else None
+        state = check_http_health(urls[name], ca=ca) if name in urls else check_health(addr, tls=tls)
         bad += state != "SERVING"
         print(f"{name:<10} {addr:<22} {state}")
     sys.exit(1 if bad else 0)
@@ -193,7 +238,8 @@ def _admin(args: argparse.Namespace) -> None:
 
     from specmesh.v1 import admin_pb2
 
-    with Client(args.target) as client:
+    tls, token = _credentials(args, "admin")
+    with Client(args.target, tls=tls, token=token) as client:
         try:
             if args.admin_cmd == "stats":
                 print(text_format.MessageToString(client.stats()), end="")
@@ -213,7 +259,7 @@ def _admin(args: argparse.Namespace) -> None:
             elif args.admin_cmd == "router-stats":
                 print(text_format.MessageToString(client.router_stats(args.proposer, args.tag)), end="")
         except grpc.RpcError as exc:
-            sys.exit(f"specmesh admin: {exc.code().name}: {exc.details()}")
+            sys.exit(_rpc_error("admin", exc, tls))
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -223,7 +269,7 @@ def _demo(args: argparse.Namespace) -> None:
     print("specmesh demo: starting the services (n-gram proposer + verifier)…", flush=True)
     dep.start()
     try:
-        with Client(dep.verifier_address) as client:
+        with Client(dep.verifier_address, tls=dep.client_tls, token=dep.token()) as client:
             greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
             print(f"\n>>> {DEMO_PROMPT.splitlines()[0]} …\n", flush=True)
             fast = _stream_one(client, DEMO_PROMPT, greedy, SpecDecodeParams(proposer="ngram"), chat=True)
@@ -250,18 +296,19 @@ def _demo(args: argparse.Namespace) -> None:
         if dep.gateway_url and importlib.util.find_spec("openai") is None:
             print("\n(the OpenAI-client part needs the openai package: pip install 'specmesh[bench]')", flush=True)
         elif dep.gateway_url:
-            _demo_openai(dep.gateway_url)
+            _demo_openai(dep.gateway_url, dep.token("api_key") or "unused", dep.tls_files.get("ca"))
     finally:
         dep.stop()
         print("specmesh demo: services stopped.", flush=True)
 
 
-def _demo_openai(base_url: str) -> None:
-    """The same server through its OpenAI-compatible API, with the official client."""
-    from openai import OpenAI
+def _demo_openai(base_url: str, api_key: str = "unused", ca: Path | None = None) -> None:
+    """The same server through its OpenAI-compatible API, with the official client (``ca``: an https gateway's)."""
+    from openai import DefaultHttpxClient, OpenAI
 
     print(f"\n>>> The OpenAI API at {base_url}: a streamed chat, speculation chosen per request…\n", flush=True)
-    client = OpenAI(base_url=base_url, api_key="unused")
+    http = DefaultHttpxClient(verify=_ssl_context(ca)) if ca else None
+    client = OpenAI(base_url=base_url, api_key=api_key, http_client=http)
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(
         model=model,
@@ -286,6 +333,12 @@ def _demo_openai(base_url: str) -> None:
             )
 
 
+def _ssl_context(ca: Path):
+    import ssl
+
+    return ssl.create_default_context(cafile=str(ca))
+
+
 def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--verifier-address", default=DEFAULT_ADDRESS)
@@ -306,6 +359,18 @@ def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
         "--redis-url",
         default=os.environ.get("SPECMESH_REDIS_URL", ""),
         help="router statistics in Redis (e.g. redis://127.0.0.1:6379/0); default: in the verifier process",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="encrypt every hop: a throwaway CA and certificate under RUN_DIR/tls, mutual TLS between the "
+        "services, the gateway on https",
+    )
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="require tokens: throwaway client, admin, proposer-tier tokens and a gateway API key under "
+        "RUN_DIR/secrets (the CLI's generate/admin use them for this deployment)",
     )
 
 
@@ -342,12 +407,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--proposer", default="auto", help="auto, none, ngram, draft, rag")
     gen.add_argument("--num-speculative-tokens", type=int, default=0)
     _add_sampling_flags(gen)
+    add_client_flags(gen)
 
     st = sub.add_parser("status", help="health of each service")
     st.add_argument("--target", action="append", help="extra host:port to check (repeatable)")
+    add_client_flags(st)
 
     adm = sub.add_parser("admin", help="live statistics and the runtime speculation policy")
-    adm.add_argument("--target", default=DEFAULT_ADDRESS, help="verifier host:port")
+    adm.add_argument("--target", default=DEFAULT_ADDRESS, help="verifier host:port (its --admin-address if set)")
+    add_client_flags(adm)
     adm_sub = adm.add_subparsers(dest="admin_cmd", required=True)
     adm_sub.add_parser("stats", help="print live statistics")
     pol = adm_sub.add_parser("policy", help="set the default speculation policy")

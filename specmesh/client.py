@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
+from specmesh.credentials import TlsOptions, bearer, channel, env_token
 from specmesh.params import Chunk, Completion, Prompt, SamplingParams, SpecDecodeParams, Summary, build_request
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 
@@ -33,6 +34,10 @@ _OPTIONS = [
     ("grpc.lb_policy_name", "round_robin"),
     *RECONNECT_OPTIONS,
 ]
+
+
+def _channel(address: str, tls: TlsOptions | None, *, aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
+    return channel(address, tls, _OPTIONS, aio=aio)
 
 
 class GenerationStream:
@@ -56,8 +61,21 @@ class GenerationStream:
 
 
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, channel: grpc.Channel | None = None) -> None:
-        self.channel = channel or grpc.insecure_channel(address, options=_OPTIONS)
+    """``tls``: connect over TLS (``TlsOptions(ca=…)``; ``cert``/``key`` too where the server requires
+    mutual TLS); ``token``: sent as ``authorization: Bearer …`` on every call (None: ``$SPECMESH_TOKEN``
+    if set; "" none). An admin token is what ``stats``/``set_policy``/``router_stats`` need on a
+    verifier started with ``--admin-token-file``."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        channel: grpc.Channel | None = None,
+        tls: TlsOptions | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.channel = channel or _channel(address, tls)
+        self._md = bearer(env_token() if token is None else token)
         self._gen = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self._admin = admin_pb2_grpc.AdminServiceStub(self.channel)
 
@@ -72,7 +90,7 @@ class Client:
         timeout: float | None = None,
     ) -> GenerationStream:
         req = build_request(prompt, sampling, spec, chat, request_id)
-        return GenerationStream(self._gen.Generate(req, timeout=timeout))
+        return GenerationStream(self._gen.Generate(req, timeout=timeout, metadata=self._md))
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecDecodeParams | None = None,
                  *, chat: bool = False, timeout: float | None = None) -> Completion:  # fmt: skip
@@ -84,15 +102,18 @@ class Client:
         return out
 
     def stats(self) -> admin_pb2.GetStatsResponse:
-        return self._admin.GetStats(admin_pb2.GetStatsRequest())
+        return self._admin.GetStats(admin_pb2.GetStatsRequest(), metadata=self._md)
+
+    def policy(self) -> admin_pb2.SpeculationPolicy:
+        return self._admin.GetPolicy(admin_pb2.GetPolicyRequest(), metadata=self._md).policy
 
     def set_policy(self, policy: admin_pb2.SpeculationPolicy) -> admin_pb2.SpeculationPolicy:
-        return self._admin.SetPolicy(admin_pb2.SetPolicyRequest(policy=policy)).policy
+        return self._admin.SetPolicy(admin_pb2.SetPolicyRequest(policy=policy), metadata=self._md).policy
 
     def router_stats(self, proposer: str = "", workload_tag: str = "") -> admin_pb2.GetRouterStatsResponse:
         """The router's decayed acceptance statistics (shared by every replica when in Redis)."""
         req = admin_pb2.GetRouterStatsRequest(proposer=proposer, workload_tag=workload_tag)
-        return self._admin.GetRouterStats(req)
+        return self._admin.GetRouterStats(req, metadata=self._md)
 
     def close(self) -> None:
         self.channel.close()
@@ -105,8 +126,18 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, channel: grpc.aio.Channel | None = None) -> None:
-        self.channel = channel or grpc.aio.insecure_channel(address, options=_OPTIONS)
+    """``Client`` on asyncio; ``tls`` and ``token`` as there."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        channel: grpc.aio.Channel | None = None,
+        tls: TlsOptions | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.channel = channel or _channel(address, tls, aio=True)
+        self._md = bearer(env_token() if token is None else token)
         self._gen = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self._admin = admin_pb2_grpc.AdminServiceStub(self.channel)
 
@@ -122,7 +153,8 @@ class AsyncClient:
     ) -> AsyncIterator[Chunk | Summary]:
         """Yields ``Chunk``s, then exactly one ``Summary``. Closing the generator early (or cancelling
         the task reading it) cancels the RPC, and the verifier frees the request's slot."""
-        call = self._gen.Generate(build_request(prompt, sampling, spec, chat, request_id), timeout=timeout)
+        req = build_request(prompt, sampling, spec, chat, request_id)
+        call = self._gen.Generate(req, timeout=timeout, metadata=self._md)
         try:
             async for resp in call:
                 if resp.HasField("summary"):
@@ -144,14 +176,17 @@ class AsyncClient:
         return out
 
     async def stats(self, timeout: float | None = None) -> admin_pb2.GetStatsResponse:
-        return await self._admin.GetStats(admin_pb2.GetStatsRequest(), timeout=timeout)
+        return await self._admin.GetStats(admin_pb2.GetStatsRequest(), timeout=timeout, metadata=self._md)
+
+    async def policy(self) -> admin_pb2.SpeculationPolicy:
+        return (await self._admin.GetPolicy(admin_pb2.GetPolicyRequest(), metadata=self._md)).policy
 
     async def set_policy(self, policy: admin_pb2.SpeculationPolicy) -> admin_pb2.SpeculationPolicy:
-        return (await self._admin.SetPolicy(admin_pb2.SetPolicyRequest(policy=policy))).policy
+        return (await self._admin.SetPolicy(admin_pb2.SetPolicyRequest(policy=policy), metadata=self._md)).policy
 
     async def router_stats(self, proposer: str = "", workload_tag: str = "") -> admin_pb2.GetRouterStatsResponse:
         req = admin_pb2.GetRouterStatsRequest(proposer=proposer, workload_tag=workload_tag)
-        return await self._admin.GetRouterStats(req)
+        return await self._admin.GetRouterStats(req, metadata=self._md)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -28,7 +29,12 @@ def free_port() -> int:
 
 
 def wait_http_healthy(
-    url: str, timeout_s: float, proc: subprocess.Popen | None = None, *, listening: bool = False
+    url: str,
+    timeout_s: float,
+    proc: subprocess.Popen | None = None,
+    *,
+    listening: bool = False,
+    ca: str | Path | None = None,
 ) -> None:
     """Block until ``url`` (an HTTP health endpoint) answers 200, or with ``listening`` answers at
     all (a 503 too: the service is up, what it depends on is not); raise on timeout or exit."""
@@ -36,20 +42,23 @@ def wait_http_healthy(
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"service at {url} exited with code {proc.returncode}")
-        state = check_http_health(url)
+        state = check_http_health(url, ca=ca)
         if state == "SERVING" or (listening and state.startswith("NOT_SERVING")):
             return
         time.sleep(0.1)
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
-def check_http_health(url: str, timeout_s: float = 2.0) -> str:
-    """SERVING / NOT_SERVING (an HTTP error status) / UNREACHABLE, for an HTTP health endpoint."""
+def check_http_health(url: str, timeout_s: float = 2.0, ca: str | Path | None = None) -> str:
+    """SERVING / NOT_SERVING (an HTTP error status) / UNREACHABLE, for an HTTP health endpoint
+    (``ca``: the CA that signed an https endpoint's certificate)."""
+    import ssl
     import urllib.error
     import urllib.request
 
+    context = ssl.create_default_context(cafile=str(ca)) if ca else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
             return "SERVING" if resp.status == 200 else f"NOT_SERVING ({resp.status})"
     except urllib.error.HTTPError as exc:
         return f"NOT_SERVING ({exc.code})"
@@ -77,6 +86,14 @@ class DeploymentConfig:
     extra_verifier_args: tuple[str, ...] = ()
     run_dir: Path = field(default_factory=default_run_dir)
     startup_timeout_s: float = 600.0  # the first start converts the GGUF
+    tls: bool = False  # a throwaway CA under run_dir/tls: every hop mutual TLS, the gateway https
+    auth: bool = False  # throwaway tokens under run_dir/secrets: client, admin, proposer tier, gateway API key
+
+
+# Files of a secured local deployment, under its run_dir (written at start, 0600 for keys and tokens).
+TLS_FILES = {"ca": "tls/ca.pem", "cert": "tls/cert.pem", "key": "tls/key.pem"}
+TOKEN_FILES = {"client": "secrets/client.token", "admin": "secrets/admin.token", "proposer": "secrets/proposer.token"}
+TOKEN_FILES |= {"api_key": "secrets/gateway-api.key"}
 
 
 @dataclass
@@ -96,20 +113,30 @@ class LocalDeployment:
         self.config = config
         serve = [sys.executable, "-m", "specmesh", "serve"]
         verifier_args = ["--address", config.verifier_address, "--max-running", str(config.max_running)]
+        tls, tokens = self.tls_files, self.token_files
+        secure: list[str] = []  # every gRPC service's own: mutual TLS, the tier token
+        if tls:
+            secure += ["--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"]), "--tls-client-ca", str(tls["ca"])]
+            verifier_args += ["--proposer-tls-ca", str(tls["ca"])]
+        if tokens:
+            verifier_args += ["--auth-token-file", str(tokens["client"]), "--admin-token-file", str(tokens["admin"])]
+            verifier_args += ["--proposer-token-file", str(tokens["proposer"])]
+        tier = [*secure, *(["--auth-token-file", str(tokens["proposer"])] if tokens else [])]
+        verifier_args += secure
         proposers = []
         if config.ngram_address:
             proposers.append(
-                Service("ngram", config.ngram_address, [*serve, "ngram", "--address", config.ngram_address])
+                Service("ngram", config.ngram_address, [*serve, "ngram", "--address", config.ngram_address, *tier])
             )
             verifier_args += ["--proposer", f"ngram={config.ngram_address}"]
         if config.rag_address:
-            rag = [*serve, "rag", "--address", config.rag_address]
+            rag = [*serve, "rag", "--address", config.rag_address, *tier]
             rag += ["--model", config.model] if config.model else []
             rag += ["--data-dir", str(config.rag_data_dir)] if config.rag_data_dir else []
             proposers.append(Service("rag", config.rag_address, rag))  # `specmesh rag` finds it by this name
             verifier_args += ["--proposer", f"rag={config.rag_address}"]
         if config.draft_address:
-            draft = [*serve, "draft", "--address", config.draft_address, "--threads", "1"]
+            draft = [*serve, "draft", "--address", config.draft_address, "--threads", "1", *tier]
             draft += ["--model", config.draft_model or config.model] if (config.draft_model or config.model) else []
             proposers.append(Service("draft", config.draft_address, draft))
             # A draft-model proposal takes tens of ms on a CPU (an n-gram one ~1 ms): wait for it.
@@ -124,8 +151,53 @@ class LocalDeployment:
         self.services = [*proposers, Service("verifier", config.verifier_address, verifier)]
         if config.gateway_address:  # after the verifier: its /health reflects the verifier's
             gateway = [*serve, "gateway", "--address", config.gateway_address, "--verifier", config.verifier_address]
-            health = f"http://{config.gateway_address}/health"
+            if tls:  # https, and its certificate is its client certificate towards the verifier
+                gateway += ["--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"])]
+                gateway += ["--verifier-tls-ca", str(tls["ca"])]
+            if tokens:
+                gateway += ["--api-key-file", str(tokens["api_key"]), "--verifier-token-file", str(tokens["client"])]
+            health = f"{self._scheme}://{config.gateway_address}/health"
             self.services.append(Service("gateway", config.gateway_address, gateway, health_url=health))
+
+    @property
+    def tls_files(self) -> dict[str, Path]:
+        """ca / cert / key of a ``tls`` deployment (empty without)."""
+        return {k: self.config.run_dir / v for k, v in TLS_FILES.items()} if self.config.tls else {}
+
+    @property
+    def token_files(self) -> dict[str, Path]:
+        """client / admin / proposer / api_key token files of an ``auth`` deployment (empty without)."""
+        return {k: self.config.run_dir / v for k, v in TOKEN_FILES.items()} if self.config.auth else {}
+
+    @property
+    def client_tls(self):
+        """The SDK's ``TlsOptions`` for this deployment's gRPC ports (None: plaintext)."""
+        from specmesh.credentials import TlsOptions
+
+        tls = self.tls_files
+        return TlsOptions(ca=tls["ca"], cert=tls["cert"], key=tls["key"]) if tls else None
+
+    def token(self, kind: str = "client") -> str:
+        """A token of this deployment (client, admin, api_key); "" without ``auth``."""
+        from specmesh.credentials import read_token
+
+        return read_token(self.token_files[kind]) if self.config.auth else ""
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self.config.tls else "http"
+
+    def _write_credentials(self) -> None:
+        """Fresh throwaway certificates and tokens for this start (nothing reused from a previous one)."""
+        if self.config.tls:
+            from specmesh.certs import write_dev_pki
+
+            write_dev_pki(self.config.run_dir / "tls")
+        for path in self.token_files.values():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
 
     @property
     def verifier_address(self) -> str:
@@ -134,7 +206,7 @@ class LocalDeployment:
     @property
     def gateway_url(self) -> str:
         """The OpenAI base URL (http://host:port/v1), or "" without a gateway."""
-        return f"http://{self.config.gateway_address}/v1" if self.config.gateway_address else ""
+        return f"{self._scheme}://{self.config.gateway_address}/v1" if self.config.gateway_address else ""
 
     @property
     def services_by_name(self) -> dict[str, Service]:
@@ -142,6 +214,7 @@ class LocalDeployment:
 
     def start(self) -> None:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        self._write_credentials()
         try:
             for svc in self.services:
                 svc.log_path = self.config.run_dir / f"{svc.name}.log"
@@ -149,9 +222,10 @@ class LocalDeployment:
                 svc.proc = subprocess.Popen(svc.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             for svc in self.services:
                 if svc.health_url:
-                    wait_http_healthy(svc.health_url, self.config.startup_timeout_s, svc.proc)
+                    ca = self.tls_files.get("ca")
+                    wait_http_healthy(svc.health_url, self.config.startup_timeout_s, svc.proc, ca=ca)
                 else:
-                    wait_healthy(svc.address, self.config.startup_timeout_s, svc.proc)
+                    wait_healthy(svc.address, self.config.startup_timeout_s, svc.proc, tls=self.client_tls)
         except BaseException:
             self.stop()
             for svc in self.services:
@@ -183,6 +257,8 @@ class LocalDeployment:
             "pid": os.getpid(),
             "services": {s.name: s.address for s in self.services},
             "health_urls": {s.name: s.health_url for s in self.services if s.health_url},  # HTTP services
+            "tls": {k: str(v) for k, v in self.tls_files.items()},  # the CLI connects with these
+            "tokens": {k: str(v) for k, v in self.token_files.items()},
         }
         (self.config.run_dir / "deployment.json").write_text(json.dumps(state, indent=2))
 
@@ -202,6 +278,12 @@ def known_services(run_dir: Path | None = None) -> dict[str, str]:
 def known_health_urls(run_dir: Path | None = None) -> dict[str, str]:
     """The HTTP health endpoints of the running local deployment's HTTP services (the gateway)."""
     return dict(_state(run_dir).get("health_urls", {}))
+
+
+def known_credentials(run_dir: Path | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """The running local deployment's TLS files (ca, cert, key) and token files (client, admin, proposer, api_key)."""
+    state = _state(run_dir)
+    return dict(state.get("tls", {})), dict(state.get("tokens", {}))
 
 
 def _state(run_dir: Path | None) -> dict:

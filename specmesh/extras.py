@@ -14,7 +14,7 @@ from collections.abc import Iterable
 # `specmesh up` / `demo` check these before starting any process.
 SERVE_REQUIREMENTS = (
     "torch", "transformers", "gguf", "accelerate", "redis", "prometheus_client", "numpy", "fastapi", "uvicorn",
-    "grpc_health", "grpc_reflection",
+    "grpc_health", "grpc_reflection", "cryptography",
     "specmesh.server", "verifier_svc", "proposer_svc", "gateway_svc", "specmesh_router", "specmesh_kernels",
 )  # fmt: skip
 # Every module the server code imports that a client-only install lacks (tests/specmesh/

@@ -13,6 +13,9 @@ import time
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from specmesh.credentials import TlsOptions
+from specmesh.credentials import channel as open_channel
+
 _CHECK = "/grpc.health.v1.Health/Check"
 
 
@@ -48,19 +51,22 @@ def check(channel: grpc.Channel, service: str = "", timeout_s: float = 2.0) -> s
     return HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-def check_health(address: str, timeout_s: float = 2.0) -> str:
-    """SERVING / NOT_SERVING / UNREACHABLE (with the gRPC error)."""
+def check_health(address: str, timeout_s: float = 2.0, tls: TlsOptions | None = None) -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE (with the gRPC error); ``tls`` for a TLS port (no token:
+    health checks are unauthenticated)."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with open_channel(address, tls) as channel:
             return check(channel, timeout_s=timeout_s)
     except grpc.RpcError as exc:
         return f"UNREACHABLE ({exc.code().name})"
 
 
-def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_healthy(
+    address: str, timeout_s: float, proc: subprocess.Popen | None = None, tls: TlsOptions | None = None
+) -> None:
     """Block until ``address`` answers SERVING; raise on timeout or when ``proc`` exits."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"service at {address} exited with code {proc.returncode}")

@@ -67,3 +67,28 @@ def verifier(tmp_path_factory, lm) -> Iterator[VerifierProcess]:
     v = start_verifier(tmp_path_factory.mktemp("verifier"))
     yield v
     stop_verifier(v)
+
+
+@pytest.fixture
+def engine_factory(lm):
+    """In-process engines on the real model: ``make(runner_class=…, kv_budget_tokens=…, **EngineConfig
+    fields)``; each is shut down after the test."""
+    from specmesh.server.model_runner import ModelRunner
+    from verifier_svc.engine import Engine, EngineConfig
+
+    engines = []
+
+    def make(runner_class=ModelRunner, kv_budget_tokens: int | None = None, **cfg) -> Engine:
+        m = lm.model.config
+        per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * (m.hidden_size // m.num_attention_heads) * 4
+        kv_bytes = None if kv_budget_tokens is None else kv_budget_tokens * per_token
+        runner = runner_class(lm.model, lm.device, lm.dtype, max_context=8192, kv_budget_bytes=kv_bytes)
+        assert runner.cache.token_budget == kv_budget_tokens
+        eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(kv_budget_tokens=kv_budget_tokens, **cfg))
+        eng.start()
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.shutdown()

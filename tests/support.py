@@ -44,7 +44,8 @@ class VerifierProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_verifier(tmp_path: Path, *args: str) -> VerifierProcess:
+def start_verifier(tmp_path: Path, *args: str, tls=None) -> VerifierProcess:
+    """``specmesh serve verifier`` on a free loopback port; ``tls`` (``TlsOptions``): how to reach a TLS port."""
     from specmesh.deploy import free_port, wait_healthy
 
     address = f"127.0.0.1:{free_port()}"
@@ -53,7 +54,7 @@ def start_verifier(tmp_path: Path, *args: str) -> VerifierProcess:
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        wait_healthy(address, 300, proc)
+        wait_healthy(address, 300, proc, tls=tls)
     except Exception:
         proc.kill()
         raise AssertionError(f"verifier did not start:\n{log_path.read_text(errors='replace')[-3000:]}") from None
@@ -79,12 +80,14 @@ class GatewayProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_gateway(tmp_path: Path, verifier: str, *args: str, healthy: bool = True) -> GatewayProcess:
+def start_gateway(tmp_path: Path, verifier: str, *args: str, healthy: bool = True, ca=None) -> GatewayProcess:
     """``specmesh serve gateway`` in its own process; returns once it listens (and, with ``healthy``,
-    once its /health reports the verifier SERVING)."""
+    once its /health reports the verifier SERVING). ``ca``: the gateway serves https (``--tls-cert`` in
+    ``args``) with a certificate this CA signed."""
     from specmesh.deploy import free_port, wait_http_healthy
 
     port = free_port()
+    scheme = "https" if ca else "http"
     log_path = tmp_path / f"gateway-{port}.log"
     cmd = [
         sys.executable,
@@ -101,11 +104,11 @@ def start_gateway(tmp_path: Path, verifier: str, *args: str, healthy: bool = Tru
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        wait_http_healthy(f"http://127.0.0.1:{port}/health", 60, proc, listening=not healthy)
+        wait_http_healthy(f"{scheme}://127.0.0.1:{port}/health", 60, proc, listening=not healthy, ca=ca)
     except (RuntimeError, TimeoutError):
         proc.kill()
         raise AssertionError(f"gateway did not start:\n{log_path.read_text(errors='replace')[-3000:]}") from None
-    return GatewayProcess(f"http://127.0.0.1:{port}/v1", proc, log_path)
+    return GatewayProcess(f"{scheme}://127.0.0.1:{port}/v1", proc, log_path)
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -152,9 +155,9 @@ def second_token_counts(client, ids: list[int], spec, n: int, temperature: float
     return [tuple(o.token_ids) for o in outs], sum(o.summary.speculation.drafted_tokens for o in outs)
 
 
-def assert_chi_square(samples, p, label: str = "") -> None:
-    """Pearson chi-square of sampled token ids against distribution ``p`` (cells with expected < 5
-    pooled), at p = 0.001 (Wilson-Hilferty critical value)."""
+def chi_square(samples, p) -> tuple[float, int]:
+    """Pearson chi-square statistic and degrees of freedom of sampled token ids against
+    distribution ``p``: one cell per token expected >= 5 times, the rest pooled into one."""
     import torch
 
     counts = torch.bincount(samples, minlength=p.numel()).double()
@@ -162,10 +165,69 @@ def assert_chi_square(samples, p, label: str = "") -> None:
     big = expected >= 5
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    dof = int(big.sum())
-    chi2 = float(((obs - exp) ** 2 / exp).sum())
-    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    return float(((obs - exp) ** 2 / exp).sum()), int(big.sum())
+
+
+def chi_square_critical(dof: int) -> float:
+    """The chi-square value exceeded with probability 0.001 (Wilson-Hilferty approximation)."""
+    return dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def assert_chi_square(samples, p, label: str = "") -> None:
+    """Pearson chi-square of sampled token ids against distribution ``p`` (cells with expected < 5
+    pooled), at p = 0.001 (Wilson-Hilferty critical value)."""
+    chi2, dof = chi_square(samples, p)
+    crit = chi_square_critical(dof)
     assert chi2 < crit, f"{label}: chi2 {chi2:.1f} over {dof} dof (critical {crit:.1f})"
+
+
+def assert_second_tokens_chi_square(lm, ids: list[int], pairs, temperature: float, label: str = "") -> int:
+    """The second tokens of sampled (first, second) pairs against the target's softmax after
+    ``ids + [first]``, stratified by the first token: every first token drawn at least 20 times is a
+    stratum (its own forward), the strata's chi-squares and degrees of freedom add up (independent
+    given the first tokens), one test at p = 0.001. Returns the second tokens tested."""
+    from collections import Counter
+
+    import torch
+
+    firsts = Counter(a for a, _ in pairs)
+    strata = sorted(a for a, n in firsts.items() if n >= 20)
+    assert strata, f"{label}: first token too spread for the conditional test"
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([[*ids, a] for a in strata])).logits[:, -1].float()
+    ps = torch.softmax(logits / temperature, -1)
+    chi2, dof, tested = 0.0, 0, 0
+    for a, p in zip(strata, ps, strict=True):
+        seconds = torch.tensor([b for first, b in pairs if first == a])
+        c, d = chi_square(seconds, p)
+        chi2, dof, tested = chi2 + c, dof + d, tested + len(seconds)
+    crit = chi_square_critical(dof)
+    assert chi2 < crit, f"{label}: chi2 {chi2:.1f} over {dof} dof in {len(strata)} strata (critical {crit:.1f})"
+    return tested
+
+
+def accepts_drafts_too_often(tree, probs, u):
+    """A wrong acceptance rule, the negative control of the distribution tests: each child is
+    accepted with probability min(1, 2 r(x) / q(x)) instead of min(1, r(x) / q(x))."""
+    from verifier_svc.acceptance import sample_accept
+
+    u = u.copy()
+    u[:, 1:] *= 0.5  # columns 1.. test the children; column 0 (the residual draw) is left alone
+    return sample_accept(tree, probs, u)
+
+
+def forgets_the_residual(tree, probs, u):
+    """A wrong acceptance rule, the negative control of the distribution tests: once every root
+    child is rejected, the bonus is drawn from p itself instead of the residual max(p - q, 0)."""
+    import numpy as np
+
+    from verifier_svc.acceptance import sample_accept
+
+    path, bonus = sample_accept(tree, probs, u)
+    if path:
+        return path, bonus
+    cdf = np.cumsum(probs[0].double().numpy())
+    return path, min(int(np.searchsorted(cdf, u[0, 0] * cdf[-1], side="right")), len(cdf) - 1)
 
 
 def start_redis(port: int) -> subprocess.Popen:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specmesh.server.flags import ServiceFlags
+from specmesh.server.auth import token_file
+from specmesh.server.flags import ServiceFlags, byte_size
 from specmesh.server.packed_linear import add_linears_flag
+from specmesh.server.security import ServerSecurity, add_security_flags, security_config
 from verifier_svc.engine import EngineConfig
 from verifier_svc.local_proposer import inprocess_kind
 from verifier_svc.speculation import SpeculationConfig
@@ -20,6 +22,7 @@ class VerifierConfig:
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     packed_linears: bool = True  # CPU: linear layers through oneDNN with pre-packed weights
     max_context: int = 0  # 0 = the model's max_position_embeddings
+    kv_cache_bytes: int | None = None  # KV cache budget; None = kv_cache.default_budget_bytes
     proposers: tuple[tuple[str, str], ...] = ()  # (name, address)
     auto_proposers: tuple[str, ...] | None = None  # what `auto` may pick; None = every configured one
     grace_s: float = 30.0
@@ -28,8 +31,15 @@ class VerifierConfig:
     stats_half_life_s: float = 300.0
     exploration: str = "thompson"
     metrics_port: int = 0  # Prometheus /metrics; 0 = off
+    metrics_address: str = ""  # /metrics host; "" = the host of `address`
+    metrics_tags: tuple[str, ...] = ()  # workload tags exported as labels; the rest are "other"
     spec_gating: str = "cost"  # "cost": speculate where the measured step cost says it pays; "always"
     engine: EngineConfig = field(default_factory=EngineConfig)
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, client tokens, reflection
+    admin_tokens: tuple[str, ...] = field(default=(), repr=False)  # AdminService's; () = client tokens suffice
+    admin_address: str = ""  # AdminService on its own port; "" = on `address`
+    proposer_tls_ca: str = ""  # CA of the proposers' certificates: TLS to them; "" = plaintext
+    proposer_token: str = field(default="", repr=False)  # tier token sent to the proposers
 
 
 def build_flags() -> ServiceFlags:
@@ -46,7 +56,21 @@ def build_flags() -> ServiceFlags:
     f.add(
         "--max-waiting", 64, int, "admitted requests that wait for a slot; beyond them: RESOURCE_EXHAUSTED", minimum=0
     )
-    f.add("--prefill-chunk", 512, int, "prompt tokens per prefill forward", minimum=1)
+    f.add(
+        "--prefill-chunk",
+        512,
+        int,
+        "a prefill forward's work in prompt tokens (fewer tokens deeper into a long prompt); bounds the gap a "
+        "prefill puts between the running requests' tokens",
+        minimum=1,
+    )
+    f.add(
+        "--kv-cache-memory",
+        "auto",
+        byte_size,
+        "KV cache memory budget, e.g. 4GiB: requests wait (or are refused if they can never fit) rather than "
+        "exceed it; auto = 30%% of the memory free after the model loads (the GPU's on a GPU)",
+    )
     f.add(
         "--proposer",
         [],
@@ -95,6 +119,15 @@ def build_flags() -> ServiceFlags:
         choices=["thompson", "ucb", "greedy"],
     )
     f.add("--metrics-port", 0, int, "Prometheus /metrics port; 0 = off", minimum=0)
+    f.add("--metrics-address", "", str, "host /metrics listens on (empty: the host of --address)", metavar="HOST")
+    f.add(
+        "--metrics-tags",
+        "",
+        str,
+        "workload tags exported as Prometheus label values; any other client tag is reported as 'other' "
+        "(bounded series, no tenant names on /metrics)",
+        metavar="TAG,TAG",
+    )
     f.add(
         "--proposer-wait-ms",
         5.0,
@@ -110,6 +143,39 @@ def build_flags() -> ServiceFlags:
         minimum=1e-3,
     )
     f.add("--grace", 30.0, float, "seconds running requests get to finish on SIGTERM", minimum=0)
+    add_security_flags(f, "clients (SDK, CLI, gateway)")
+    f.add(
+        "--admin-token-file",
+        "",
+        str,
+        "file of the token(s) AdminService needs (SetPolicy, GetPolicy, GetRouterStats; GetStats takes a client "
+        "token too): a client token there is PERMISSION_DENIED; empty = whoever may generate may administer",
+        metavar="FILE",
+    )
+    f.add(
+        "--admin-address",
+        "",
+        str,
+        "serve AdminService on this host:port only (e.g. 127.0.0.1:50052, loopback), not on --address; "
+        "empty = on --address",
+        metavar="HOST:PORT",
+    )
+    f.add(
+        "--proposer-tls-ca",
+        "",
+        str,
+        "CA (PEM) that signed the proposers' certificates: their channels use TLS, and with --tls-cert/--tls-key "
+        "this verifier presents its certificate (mutual TLS); a proposer without such a certificate gets no "
+        "request (it decodes plainly, fallback_reason says why); empty = plaintext",
+        metavar="FILE",
+    )
+    f.add(
+        "--proposer-token-file",
+        "",
+        str,
+        "file of the token sent to the proposers (their --auth-token-file); empty = none",
+        metavar="FILE",
+    )
     return f
 
 
@@ -126,6 +192,13 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         except ValueError as exc:
             p.error(str(exc))
         proposers.append((name.strip().lower(), addr.strip()))
+    if a.admin_address:
+        host, sep, port = a.admin_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            p.error(f"--admin-address expects HOST:PORT, got {a.admin_address!r}")
+        if a.admin_address == a.address:
+            p.error("--admin-address must differ from --address")
+    proposer_token = token_file(p, a, "proposer_token_file")
     return VerifierConfig(
         address=a.address,
         model=a.model,
@@ -134,6 +207,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         threads=a.threads,
         packed_linears=a.linears == "packed",
         max_context=a.max_context,
+        kv_cache_bytes=a.kv_cache_memory,
         proposers=tuple(proposers),
         auto_proposers=_auto_proposers(p, a.auto_proposers, [n for n, _ in proposers]),
         grace_s=a.grace,
@@ -142,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         stats_half_life_s=a.stats_half_life,
         exploration=a.exploration,
         metrics_port=a.metrics_port,
+        metrics_address=a.metrics_address,
+        metrics_tags=tuple(dict.fromkeys(t.strip() for t in a.metrics_tags.split(",") if t.strip())),
         spec_gating=a.spec_gating,
         engine=EngineConfig(
             max_running=a.max_running,
@@ -149,6 +225,11 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
             prefill_chunk_tokens=a.prefill_chunk,
             speculation=SpeculationConfig(proposer_wait_ms=a.proposer_wait_ms, proposer_timeout_s=a.proposer_timeout),
         ),
+        security=security_config(p, a, "proposer_tls_ca"),
+        admin_tokens=token_file(p, a, "admin_token_file"),
+        admin_address=a.admin_address,
+        proposer_tls_ca=a.proposer_tls_ca,
+        proposer_token=proposer_token[0] if proposer_token else "",
     )
 
 

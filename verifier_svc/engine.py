@@ -2,10 +2,18 @@
 
 Requests join and leave the running batch between steps. One iteration of the loop:
   1. apply new submissions and cancellations;
-  2. prefill: one forward over the next chunk of the oldest joining request, or over several
-     short joining prompts together (bounded by ``prefill_chunk_tokens``);
-  3. decode: one batched forward over every running request's pending token;
-  4. stream the new tokens of each request, retire finished requests and free their slots.
+  2. memory: if the running requests outgrew the KV budget, the youngest go back to wait
+     (``admission``); waiting requests join while the budget holds them;
+  3. prefill: one forward over the next chunk of the oldest joining request, or over several
+     short joining prompts together (``prefill_chunk_tokens``' worth of work: chunks shorten
+     deeper into a long prompt, so the running requests' next token is never far away);
+  4. decode: one batched forward over every running request's pending token (and trees);
+  5. stream the new tokens of each request, retire finished requests and free their slots (and
+     KV memory once the rest need much less).
+
+A running request's gap between tokens is thus at most one decode step plus one prefill chunk.
+A step that fails fails only the requests it concerns: a prefill its joining requests; a decode
+step is retried request by request, and only those whose own step fails get the error.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ import torch
 
 from specmesh.server.model_runner import ModelRunner
 from specmesh_router.cost_model import LiveStepCost
+from verifier_svc import admission
 from verifier_svc.batch_accept import accept_batch, sample_tokens
 from verifier_svc.detokenizer import StopStringFilter, detokenizer_for
-from verifier_svc.events import EngineFull, EngineStats, EngineStopped, ErrorEvent, Event
+from verifier_svc.events import EngineFull, EngineStats, EngineStopped, ErrorEvent, Event, NeverFits
 from verifier_svc.logprobs import TokenLogprob, step_logprobs
 from verifier_svc.requests import GenerationRequest
 from verifier_svc.sequence import Sequence
@@ -51,7 +60,10 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     max_running: int = 32  # requests decoded together (batch slots)
     max_waiting: int = 64  # admitted but not yet running; beyond running + waiting → rejected
-    prefill_chunk_tokens: int = 512  # tokens per prefill forward (long prompts are chunked)
+    prefill_chunk_tokens: int = 512  # a prefill forward's work, in tokens at a prompt's start
+    kv_budget_tokens: int | None = None  # KV cache positions (slots × length) allocated at most
+    kv_margin: int = 256  # positions per row left to grow into when a waiting request joins
+    step_room: int = 129  # positions one decode step writes per row at most: pending token + tree
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
 
@@ -80,7 +92,9 @@ class Engine:
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # running[i].slot == i
-        self._by_id: dict[str, Sequence] = {}
+        self._by_key: dict[int, Sequence] = {}  # every admitted request by its engine-unique key
+        self._keys = itertools.count()
+        self._last_chunk: dict[int, float] = {}  # key → when its last tokens were streamed (metrics only)
         self._admitted = 0  # running + waiting + in the inbox, guarded by _lock
         self._lock = threading.Lock()
         self._accepting = True
@@ -102,8 +116,10 @@ class Engine:
         session: ProposerSession | None = None,
         k_cap: int | None = None,
         estimate: RequestEstimate | None = None,
-    ) -> None:
-        """Queue a request; its events go to ``sink`` (called from the engine thread).
+    ) -> int:
+        """Queue a request; its events go to ``sink`` (called from the engine thread). Returns the
+        request's key, unique in this engine: what :meth:`cancel` takes. The client's ``request_id``
+        is only a label (two clients may send the same one).
 
         ``session``: the request's open proposer stream, or None for plain decoding. ``k_cap``: the
         router's draft tokens per step, a cap on every tree (None: none). ``estimate``: the request's
@@ -111,6 +127,14 @@ class Engine:
         (``Router.estimate``): where the router says speculation does not pay, it starts low and the
         cost gate decodes plainly until the trees the request skips prove it wrong.
         """
+        need = min(len(req.prompt_ids) + req.max_tokens, self.max_context) + self.config.step_room
+        budget = self.config.kv_budget_tokens
+        if budget is not None and need > budget:
+            raise NeverFits(
+                f"the request needs up to {need} KV cache positions (prompt {len(req.prompt_ids)} + max_tokens "
+                f"{req.max_tokens} + {self.config.step_room} for a verification step), over this verifier's KV "
+                f"budget of {budget} positions (--kv-cache-memory); send a shorter prompt or a lower max_tokens"
+            )
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("server is shutting down")
@@ -119,7 +143,9 @@ class Engine:
                 self.stats.rejected += 1
                 raise EngineFull(f"{self._admitted} requests in flight, limit {limit}")
             self._admitted += 1
+            key = next(self._keys)
         seq = Sequence(
+            key=key,
             req=req,
             sink=sink,
             detok=detokenizer_for(self.tokenizer, req.prompt_ids),
@@ -128,9 +154,11 @@ class Engine:
             spec=SpecState.start(session, k_cap, estimate),
         )
         self._inbox.put(("submit", seq))
+        return key
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, key: int) -> None:
+        """Stop the request ``submit`` returned ``key`` for (a no-op once it has finished)."""
+        self._inbox.put(("cancel", key))
 
     def stop_accepting(self) -> None:
         with self._lock:
@@ -179,8 +207,8 @@ class Engine:
             kind, payload = item
             if kind == "submit":
                 self._waiting.append(payload)
-                self._by_id[payload.req.request_id] = payload
-            elif kind == "cancel" and (seq := self._by_id.get(payload)) is not None and not seq.done:
+                self._by_key[payload.key] = payload
+            elif kind == "cancel" and (seq := self._by_key.get(payload)) is not None and not seq.done:
                 seq.done = True
                 self.stats.cancelled += 1
                 if seq in self._waiting:
@@ -193,35 +221,91 @@ class Engine:
         self._retire()
 
     def _step(self) -> None:
-        self._prefill()
+        self._fit_memory()
+        joining = self._admit()
+        if joining:
+            try:
+                self._prefill(joining)
+            except Exception as exc:  # only the requests in this forward are concerned
+                log.exception("prefill failed; failing its %d request(s)", len(joining))
+                for seq in joining:
+                    self._finish_error(seq, f"prefill failed: {exc}")
         self._retire()
-        if any(s.prefilled for s in self._running):
-            self._decode()
+        self._rearrange(self._running)  # requests whose prefill just ended move up with the decoding ones
+        ready = [s for s in self._running if s.prefilled]
+        if ready:
+            try:
+                self._decode(ready)
+            except Exception:
+                log.exception("decode step over %d requests failed; retrying them one by one", len(ready))
+                for seq in ready:
+                    if seq.done:
+                        continue
+                    try:
+                        self._decode([seq])
+                    except Exception as exc:
+                        self._finish_error(seq, f"decode step failed: {exc}")
         self._retire()
 
-    def _prefill(self) -> None:
-        """One forward over the next prompt chunk(s) of joining requests."""
-        budget = self.config.prefill_chunk_tokens
+    def _need(self, seq: Sequence) -> int:
+        """KV positions ``seq``'s row needs for its next step (a joining request: its whole prompt)."""
+        return seq.cache_target + self.config.step_room
+
+    def _fit_memory(self) -> None:
+        """Keep the running requests within the KV budget: the youngest wait again if they outgrew it."""
+        budget = self.config.kv_budget_tokens
+        if budget is None or not self._running:
+            return
+        by_age = sorted(self._running, key=lambda s: s.key)
+        n = admission.preemptions([self._need(s) for s in by_age], budget)
+        if n:
+            leaving = by_age[-n:]
+            for seq in reversed(leaving):  # the oldest of them ends up first in the queue
+                log.info("KV budget: request %s waits again (its KV is recomputed on return)", seq.req.request_id)
+                self._waiting.appendleft(seq)
+                self.stats.preempted += 1
+                if self.metrics is not None:
+                    self.metrics.preemptions.inc()
+            self._rearrange([s for s in self._running if s not in leaving])
+            for seq in leaving:
+                seq.slot, seq.length = -1, 0
+
+    def _reserve(self) -> None:
+        """Allocate the cache for every running request's need before a forward writes into it."""
+        self.runner.cache.reserve(len(self._running), max(self._need(s) for s in self._running))
+
+    def _admit(self) -> list[Sequence]:
+        """The requests whose prompts the next prefill forward feeds: those mid-prefill, else waiting
+        requests joining (first come, first served) while slots, the chunk and the KV budget hold them."""
         joining = [s for s in self._running if not s.prefilled]
-        if not joining:
-            while self._waiting and len(self._running) < self.config.max_running:
-                seq = self._waiting.popleft()
-                seq.slot = len(self._running)
+        if joining:
+            return joining
+        cfg, tokens = self.config, 0
+        while self._waiting and len(self._running) < cfg.max_running and tokens < cfg.prefill_chunk_tokens:
+            seq = self._waiting[0]
+            needs = [self._need(s) for s in self._running]
+            if not admission.admits(needs, self._need(seq), cfg.kv_budget_tokens, cfg.kv_margin):
+                break
+            if joining and tokens + seq.cache_target > cfg.prefill_chunk_tokens:
+                break  # would overflow this forward's budget: it joins with the next one
+            self._waiting.popleft()
+            seq.slot = len(self._running)
+            if not seq.prefill_start:
                 seq.prefill_start = time.perf_counter()
-                self._running.append(seq)
-                joining.append(seq)
-                if sum(len(s.req.prompt_ids) for s in joining) >= budget:
-                    break
-            if not joining:
-                return
-        if len(joining) > 1 and sum(len(s.req.prompt_ids) for s in joining) > budget:
-            # The last admitted prompt overflowed the budget: it waits for the next iteration.
-            *joining, late = joining
-            self._running.remove(late)
-            late.slot = -1
-            self._waiting.appendleft(late)
-        # Each row feeds the next chunk of its prompt: tokens [length, length + n).
-        chunks = [s.req.prompt_ids[s.length : s.length + budget] for s in joining]
+                if self.metrics is not None:
+                    self.metrics.queued(seq.prefill_start - seq.arrival)
+            self._running.append(seq)
+            joining.append(seq)
+            tokens += seq.cache_target
+        return joining
+
+    def _prefill(self, joining: list[Sequence]) -> None:
+        """One forward over the next prompt chunk of each joining request (slots contiguous)."""
+        self._reserve()
+        chunks = [
+            s.uncached(admission.chunk_tokens(self.config.prefill_chunk_tokens, s.length, self.runner.keys_per_token))
+            for s in joining
+        ]
         dev = self.runner.device
         step = prefill_inputs(chunks, [s.length for s in joining], dev)
         rows = slice(joining[0].slot, joining[-1].slot + 1)
@@ -229,7 +313,11 @@ class Engine:
         hidden = self.runner.forward(rows, step.input_ids, step.positions, step.mask)  # [b, n, h]
         for seq, chunk in zip(joining, chunks, strict=True):
             seq.length += len(chunk)
-        finished = [i for i, s in enumerate(joining) if s.length == len(s.req.prompt_ids)]
+        # Prompts now cached in full get their first token; a preempted request's is its pending one.
+        finished = [i for i, s in enumerate(joining) if s.length == s.cache_target and not s.output]
+        elapsed = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.step("prefill", elapsed, int(step.input_ids.numel()), len(joining))
         if not finished:
             return
         last = torch.tensor([len(chunks[i]) - 1 for i in finished], device=dev)
@@ -237,27 +325,27 @@ class Engine:
         done = [joining[i] for i in finished]
         tokens = sample_tokens([s.req for s in done], [s.context_length for s in done], logits)
         logprobs = step_logprobs([s.req for s in done], logits, lambda j: ([j], [tokens[j]]))
-        elapsed = time.perf_counter() - t0
-        if self.metrics is not None:
-            self.metrics.step("prefill", elapsed, int(step.input_ids.numel()))
         for seq, tok, lp in zip(done, tokens, logprobs, strict=True):
             seq.verify_s += elapsed
             seq.first_token = seq.spec.last_tree = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.first_token(seq.first_token - seq.arrival)
             self.stats.prompt_tokens += len(seq.req.prompt_ids)
             self._append(seq, [tok], lp)
             if seq.spec.session is not None and not seq.done:
                 seq.spec.session.advance([tok])  # the proposer's context must include the first token
 
-    def _decode(self) -> None:
-        """One batched forward over every prefilled request (slots 0..b-1): its pending token plus
-        the token tree its proposer sent, if any; then lossless acceptance per request."""
-        seqs = [s for s in self._running if s.prefilled]
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """One batched forward over prefilled requests in contiguous slots: each one's pending token
+        plus the token tree its proposer sent, if any; then lossless acceptance per request."""
+        self._reserve()
         trees = self.speculation.collect_trees(seqs, self.max_context)
         dev = self.runner.device
         step = decode_inputs([s.pending for s in seqs], [s.length for s in seqs], trees, dev)
         width = step.input_ids.shape[1]
         t0 = time.perf_counter()
-        hidden = self.runner.forward(slice(0, len(seqs)), step.input_ids, step.positions, step.mask, step.write_pos)
+        rows = slice(seqs[0].slot, seqs[-1].slot + 1)
+        hidden = self.runner.forward(rows, step.input_ids, step.positions, step.mask, step.write_pos)
         counts = [len(t) + 1 for t in trees]
         logits = self.runner.logits(hidden[unpadded(counts, dev)])  # [sum(n_i + 1), vocab]
         results = accept_batch([s.req for s in seqs], [s.context_length for s in seqs], trees, logits, counts)
@@ -275,7 +363,7 @@ class Engine:
             self.speculation.step_cost.observe(len(seqs), width, elapsed)
         self.stats.steps += 1
         if self.metrics is not None:
-            self.metrics.step("decode", elapsed, len(seqs) * width)
+            self.metrics.step("decode", elapsed, len(seqs) * width, len(seqs))
         emitted = self.speculation.after_step(seqs, trees, results)
         for seq, (path, _), tokens, lp in zip(seqs, results, emitted, logprobs, strict=True):
             base = seq.length + 1  # cache slot of tree node 0
@@ -294,8 +382,10 @@ class Engine:
         """Add accepted tokens, stream them, and finish the request when a limit is hit."""
         event, reason = seq.push(tokens, logprobs, self.eos_token_ids, self.max_context)
         self.stats.generated_tokens += len(event.token_ids)
-        if self.metrics is not None:
-            self.metrics.tokens(len(event.token_ids))
+        if self.metrics is not None:  # one observation per chunk: the gap since this request's last one
+            now, last = time.perf_counter(), self._last_chunk.get(seq.key)
+            self.metrics.tokens(len(event.token_ids), None if last is None else now - last)
+            self._last_chunk[seq.key] = now
         seq.sink(event)
         if reason:
             self._finish(seq, reason)
@@ -304,7 +394,9 @@ class Engine:
         now = time.perf_counter()
         self.speculation.end_session(seq)  # the request is done: End the stream now
         if self.metrics is not None:
-            self.metrics.request_finished("ok", len(seq.req.prompt_ids), ttft_s=seq.first_token - seq.arrival)
+            self.metrics.request_finished(
+                "ok", len(seq.req.prompt_ids), generation_tokens=len(seq.output), e2e_s=now - seq.arrival
+            )
         seq.sink(seq.finish_event(reason, now))
         seq.done = True
         self.stats.finished += 1
@@ -318,22 +410,32 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         self.speculation.end_session(seq)
-        self._by_id.pop(seq.req.request_id, None)
+        self._by_key.pop(seq.key, None)
+        self._last_chunk.pop(seq.key, None)
         with self._lock:
             self._admitted -= 1
 
     def _retire(self) -> None:
-        """Drop finished requests and compact the rest: prefilled ones in slots 0..p-1 (so a decode
-        forward takes a view of the cache), requests still in prefill right after them.
-
-        A finished request's slot is refilled from the end (one request's KV copied), not by
-        shifting every later slot down.
-        """
+        """Drop finished requests, compact the rest, and give KV memory back once they need much less."""
         if not any(s.done for s in self._running):
             return
-        alive = [s for s in self._running if not s.done]
-        ready = [s for s in alive if s.prefilled]
-        joining = sorted((s for s in alive if not s.prefilled), key=lambda s: s.slot)
+        leaving = [s for s in self._running if s.done]
+        self._rearrange([s for s in self._running if not s.done])
+        cache = self.runner.cache
+        if cache.fit(max(len(self._running), 1), max((self._need(s) for s in self._running), default=1)):
+            log.info("KV cache shrunk to %d × %d positions", cache.slot_capacity, cache.seq_capacity)
+        for seq in leaving:
+            self._release(seq)
+
+    def _rearrange(self, staying: list[Sequence]) -> None:
+        """Make ``staying`` the running requests: prefilled ones in slots 0..p-1 (so a decode forward
+        takes a view of the cache), requests still in prefill right after them.
+
+        A leaving request's slot is refilled from the end (one request's KV copied), not by shifting
+        every later slot down.
+        """
+        ready = [s for s in staying if s.prefilled]
+        joining = sorted((s for s in staying if not s.prefilled), key=lambda s: s.slot)
         p = len(ready)
         holes = sorted(set(range(p)) - {s.slot for s in ready})
         movers = sorted((s for s in ready if s.slot >= p), key=lambda s: s.slot)
@@ -343,7 +445,4 @@ class Engine:
         for rank, seq in enumerate(joining):  # joining requests sit after every prefilled one
             self.runner.cache.move_slot(seq.slot, p + rank, seq.length)
             seq.slot = p + rank
-        for seq in self._running:
-            if seq.done:
-                self._release(seq)
         self._running = sorted(ready, key=lambda s: s.slot) + joining

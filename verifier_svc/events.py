@@ -43,6 +43,10 @@ class EngineFull(Exception):
     """More concurrent requests than the engine admits."""
 
 
+class NeverFits(Exception):
+    """A request whose KV cache could not fit in the memory budget even running alone."""
+
+
 class EngineStopped(Exception):
     """The engine is draining or stopped and takes no new requests."""
 
@@ -81,6 +85,7 @@ class EngineStats:
     finished: int = 0
     cancelled: int = 0
     rejected: int = 0
+    preempted: int = 0  # times a running request went back to wait for KV memory
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0

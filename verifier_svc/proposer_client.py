@@ -56,8 +56,10 @@ class GrpcProposerSession:
         start: proposer_pb2.ProposeStart,
         limits: ProposerLimits,
         arrived: threading.Condition,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.name, self.stub, self.loop, self.limits = name, stub, loop, limits
+        self.metadata = metadata  # the tier token, if the proposers need one
         self._start = start
         self._outbox: asyncio.Queue[proposer_pb2.ProposeRequest | None] = asyncio.Queue()
         self._arrived = arrived  # shared with the engine: notified whenever a tree lands
@@ -82,7 +84,7 @@ class GrpcProposerSession:
             yield msg
 
     async def _run(self) -> None:
-        call = self.stub.Propose(self._requests())
+        call = self.stub.Propose(self._requests(), metadata=self.metadata)
         try:
             async for resp in call:
                 self._receive(resp)

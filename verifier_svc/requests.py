@@ -19,6 +19,9 @@ from specmesh_router.policy import PolicyLimits
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_TAG_CHARS = 64
+# The client's request_id is a label only (echoed in every response chunk, logged; the engine files
+# requests under keys of its own): a longer one is refused, as one that would not print on one line.
+MAX_REQUEST_ID_CHARS = 256
 BUILTIN_PROPOSERS = ("ngram", "draft", "rag")
 
 
@@ -73,6 +76,9 @@ class RequestLimits:
     # Prompt text (UTF-8 bytes) beyond this cannot fit the context whatever it tokenizes to, so it is
     # refused before tokenizing (``max_prompt_bytes``); None: no pre-check.
     max_prompt_bytes: int | None = None
+    # Tokens (prompt + output) one request can hold within the KV cache budget; an unset max_tokens
+    # stops there rather than at the model's context. None: the context is the only bound.
+    max_sequence: int | None = None
 
     def policy_limits(self) -> PolicyLimits:
         return PolicyLimits(self.max_speculative_tokens, self.max_tree_nodes)
@@ -92,6 +98,12 @@ def max_prompt_bytes(tokenizer: Any, max_context: int) -> int:
 
 
 def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: RequestLimits) -> GenerationRequest:
+    if len(msg.request_id) > MAX_REQUEST_ID_CHARS or not msg.request_id.isprintable():
+        raise InvalidRequest(
+            "request_id",
+            f"must be printable and at most {MAX_REQUEST_ID_CHARS} characters (a label echoed in every "
+            f"response), got {len(msg.request_id)} characters",
+        )
     prompt_ids = _prompt_ids(msg, tokenizer, limits)
     s = msg.sampling
     temperature = s.temperature if s.HasField("temperature") else 1.0
@@ -105,7 +117,8 @@ def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: R
     if s.top_k < 0:
         raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 = disabled), got {s.top_k}")
     room = limits.max_context - len(prompt_ids)  # > 0: _prompt_ids checked it
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else room  # unset: the rest of the context (as vLLM)
+    default = room if limits.max_sequence is None else min(room, max(limits.max_sequence - len(prompt_ids), 1))
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else default  # unset: the rest of the context (as vLLM)
     if max_tokens < 1:
         raise InvalidRequest("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
     if max_tokens > room:

@@ -16,6 +16,7 @@ from verifier_svc.speculation import SpecState
 class Sequence:
     """One request in the engine: its slot, cached length, output and streaming state."""
 
+    key: int  # unique in the engine (the client's request_id is a label only)
     req: GenerationRequest
     sink: Callable[[Event], None]
     detok: Detokenizer
@@ -36,13 +37,24 @@ class Sequence:
         return len(self.req.prompt_ids) + len(self.output)
 
     @property
+    def cache_target(self) -> int:
+        """Tokens whose KV must be cached before the request decodes: its prompt, and after a
+        preemption also its output but the pending token."""
+        return len(self.req.prompt_ids) + max(len(self.output) - 1, 0)
+
+    def uncached(self, n: int) -> list[int]:
+        """The next ``n`` tokens to prefill: from the prompt, then the output a preemption dropped."""
+        p, end = len(self.req.prompt_ids), min(self.length + n, self.cache_target)
+        return self.req.prompt_ids[self.length : min(end, p)] + self.output[max(self.length - p, 0) : max(end - p, 0)]
+
+    @property
     def pending(self) -> int:
         """The newest token, not yet in the KV cache (fed at the next decode step)."""
         return self.output[-1]
 
     @property
     def prefilled(self) -> bool:
-        return bool(self.output)
+        return bool(self.output) and self.length >= self.cache_target
 
     def push(
         self, tokens: list[int], logprobs: list[TokenLogprob] | None, eos_ids: set[int], max_context: int

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -14,9 +15,13 @@ from collections.abc import AsyncIterator
 import grpc
 
 from specmesh.client import RECONNECT_OPTIONS
+from specmesh.credentials import bearer
+from specmesh.credentials import channel as open_channel
+from specmesh.server.auth import TokenAuth
 from specmesh.server.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
 from specmesh.server.model_loading import tokenizer_hash
 from specmesh.server.serving import new_server, serve
+from specmesh.server.tls import listen
 from specmesh.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -32,7 +37,7 @@ from specmesh_router.selection import Router, SelectionConfig
 from specmesh_router.stats import StatsBackend, StatsConfig, open_stats
 from verifier_svc.config import VerifierConfig, parse_args
 from verifier_svc.engine import Engine
-from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent
+from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent, NeverFits
 from verifier_svc.local_proposer import inprocess_kind
 from verifier_svc.logprobs import TokenLogprob
 from verifier_svc.proposer_client import GrpcProposerSession
@@ -139,20 +144,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 await context.abort(code, f"spec_decode.proposer {d.proposer!r} refused the request: {details}")
         estimate = self.router.estimate(d.proposer, spec.workload_tag) if session is not None else None
         try:
-            self.engine.submit(
+            key = self.engine.submit(
                 req,
                 lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                 session,
                 k_cap=cap_of(d.k) if self.router_caps else None,
                 estimate=estimate,
             )
-        except (EngineFull, EngineStopped) as exc:
+        except (EngineFull, NeverFits, EngineStopped) as exc:
             if session is not None:
                 session.close()
             if self.metrics is not None:
                 self.metrics.request_finished("rejected")
             if isinstance(exc, EngineFull):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many concurrent requests: {exc}")
+            if isinstance(exc, NeverFits):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finished = False
         try:
@@ -173,7 +180,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
         finally:
             if not finished:  # client cancelled, disconnected or out of time: free the slot now
-                self.engine.cancel(req.request_id)
+                self.engine.cancel(key)
                 if self.metrics is not None:
                     self.metrics.request_finished(_unfinished_status(context))
 
@@ -324,6 +331,7 @@ def eos_token_ids(model: object, tokenizer: object) -> set[int]:
 async def run(config: VerifierConfig) -> None:
     import torch
 
+    from specmesh.server.kv_cache import default_budget_bytes
     from specmesh.server.model_loading import load_model
     from specmesh.server.model_runner import ModelRunner, measure_step_cost
 
@@ -337,7 +345,16 @@ async def run(config: VerifierConfig) -> None:
         f"verifier: model {lm.name} from {lm.path} on {lm.device} ({lm.dtype}) in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
-    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context, packed_linears=config.packed_linears)
+    kv_bytes = config.kv_cache_bytes or default_budget_bytes(lm.device)
+    runner = ModelRunner(
+        lm.model, lm.device, lm.dtype, max_context, packed_linears=config.packed_linears, kv_budget_bytes=kv_bytes
+    )
+    kv_tokens = runner.cache.token_budget
+    print(
+        f"verifier: KV cache budget {kv_bytes / 2**20:.0f} MiB = {kv_tokens} positions "
+        f"({kv_tokens // max_context} requests of the full {max_context}-token context)",
+        flush=True,
+    )
     if runner.packed_linears:
         print("verifier: linear layers run through oneDNN with pre-packed weights (--linears stock: off)", flush=True)
     step_cost = None
@@ -356,11 +373,13 @@ async def run(config: VerifierConfig) -> None:
             flush=True,
         )
     names = tuple(name for name, _ in config.proposers)
+    step_room = 1 + RequestLimits.max_tree_nodes  # one verification step: the pending token and a full tree
     limits = RequestLimits(
         max_context=max_context,
         vocab_size=runner.vocab_size,
         configured_proposers=names,
         max_prompt_bytes=max_prompt_bytes(lm.tokenizer, max_context),
+        max_sequence=kv_tokens - step_room,
     )
     policy = PolicyStore(names, limits.policy_limits())  # SetPolicy's bounds are the requests' own
     stats = open_stats(
@@ -370,15 +389,17 @@ async def run(config: VerifierConfig) -> None:
     step_time = step_cost if step_cost is not None else (lambda rows, width: 1.0)
     selection = SelectionConfig(exploration=config.exploration)
     router = Router(stats, lm.name, config.auto_proposers or names, policy, step_time, selection)
-    metrics = VerifierMetrics()
+    metrics = VerifierMetrics(model=lm.name, proposers=names)
     # One channel per proposer tier; dns:/// names of headless services balance across replicas.
     local = tuple(name for name, addr in config.proposers if inprocess_kind(addr))
+    # TLS with --proposer-tls-ca: a proposer whose certificate that CA did not sign never gets a Start.
+    peer_tls = config.security.tls.peer(config.proposer_tls_ca)
+    options = [("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS]
     channels = {
-        name: grpc.aio.insecure_channel(addr, options=[("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS])
-        for name, addr in config.proposers
-        if name not in local
+        name: open_channel(addr, peer_tls, options, aio=True) for name, addr in config.proposers if name not in local
     }
-    tiers = ProposerTiers({name: proposer_pb2_grpc.ProposerServiceStub(ch) for name, ch in channels.items()}, local)
+    stubs = {name: proposer_pb2_grpc.ProposerServiceStub(ch) for name, ch in channels.items()}
+    tiers = ProposerTiers(stubs, local, metadata=bearer(config.proposer_token))
     vocab = proposer_pb2.VocabIdentity(
         vocab_size=runner.vocab_size,
         tokenizer_hash=tokenizer_hash(lm.tokenizer),
@@ -393,7 +414,7 @@ async def run(config: VerifierConfig) -> None:
         lm.tokenizer,
         eos_token_ids(lm.model, lm.tokenizer),
         max_context,
-        config.engine,
+        dataclasses.replace(config.engine, kv_budget_tokens=kv_tokens, step_room=step_room),
         step_cost,
         router=router,
         metrics=metrics,
@@ -401,21 +422,24 @@ async def run(config: VerifierConfig) -> None:
         trees_arrived=arrived,
     )
     metrics.track_queue(engine.counts)
-    REGISTRY.register(RouterStatsCollector(stats, model=lm.name))
+    metrics.track_kv_cache(lambda: runner.cache.allocated_bytes, kv_tokens * runner.cache.bytes_per_token)
+    REGISTRY.register(RouterStatsCollector(stats, model=lm.name, tags=config.metrics_tags))
     generation = GenerationServicer(
         engine, lm.tokenizer, limits, router, sessions, metrics, router_caps=step_cost is not None
     )
     engine.start()
-    server = new_server()
+    auth = verifier_auth(config)
+    server = new_server(auth)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
     dtype = str(lm.dtype).removeprefix("torch.")
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(
-        AdminServicer(engine, policy, lm.name, str(lm.device), dtype, stats), server
-    )
-    services = [
-        generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
-        admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
-    ]
+    admin = AdminServicer(engine, policy, lm.name, str(lm.device), dtype, stats)
+    services = [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name]
+    admin_server = None
+    if config.admin_address:  # AdminService on its own (loopback) port only: absent from the client port
+        admin_server = await start_admin_server(admin, config, auth)
+    else:
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
+        services.append(ADMIN_SERVICE)
 
     async def drain() -> None:
         engine.stop_accepting()
@@ -432,10 +456,55 @@ async def run(config: VerifierConfig) -> None:
             grace_s=config.grace_s,
             ready_message="verifier",
             metrics_port=config.metrics_port,
+            metrics_address=config.metrics_address,
+            tls=config.security.tls,
+            reflection_on=config.security.reflection,
+            health_port=config.security.health_port,
         )
     finally:
+        if admin_server is not None:
+            await admin_server.stop(1.0)
         engine.shutdown()
         stats.close()
+
+
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+
+
+def verifier_auth(config: VerifierConfig) -> TokenAuth | None:
+    """The token check of the verifier's ports: client tokens for generation, the admin token for
+    AdminService (GetStats, which the gateway reads for /v1/models, takes either); None: no tokens set."""
+    auth = TokenAuth(
+        client_tokens=config.security.tokens,
+        admin_tokens=config.admin_tokens,
+        admin_prefixes=[f"/{ADMIN_SERVICE}/"],
+        client_methods=[f"/{ADMIN_SERVICE}/GetStats"],
+    )
+    if auth.active and not config.admin_tokens:
+        log.warning("no --admin-token-file: every client token may also call AdminService (SetPolicy …)")
+    return auth if auth.active else None
+
+
+async def start_admin_server(admin: AdminServicer, config: VerifierConfig, auth: TokenAuth | None) -> grpc.aio.Server:
+    """AdminService (and health, reflection when on) on ``config.admin_address``, with the same TLS and tokens."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1._async import HealthServicer
+    from grpc_reflection.v1alpha import reflection
+
+    server = new_server(auth)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if config.security.reflection:
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection([ADMIN_SERVICE, health_name, reflection.SERVICE_NAME], server)
+    if listen(server, config.admin_address, config.security.tls) == 0:
+        raise RuntimeError(f"cannot listen on {config.admin_address}")
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health.set(ADMIN_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    print(f"verifier admin on {config.admin_address} ({config.security.tls.describe})", flush=True)
+    return server
 
 
 def main(argv: list[str] | None = None) -> None:

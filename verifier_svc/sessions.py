@@ -24,6 +24,7 @@ class ProposerTiers:
 
     stubs: dict[str, proposer_pb2_grpc.ProposerServiceStub]  # gRPC services (dns:/// balances replicas)
     local: tuple[str, ...] = ()  # served in this process (verifier_svc/local_proposer.py)
+    metadata: tuple[tuple[str, str], ...] = ()  # sent with every Propose call (the tier token)
 
     def __contains__(self, name: str) -> bool:
         return name in self.stubs or name in self.local
@@ -74,6 +75,9 @@ class SessionOpener:
             workload_tag=req.spec.workload_tag,
             corpus=req.spec.corpus,
         )
-        session = GrpcProposerSession(proposer, self.tiers.stubs[proposer], self.loop, start, limits, self.arrived)
+        stub = self.tiers.stubs[proposer]
+        session = GrpcProposerSession(
+            proposer, stub, self.loop, start, limits, self.arrived, metadata=self.tiers.metadata
+        )
         self.loop.call_soon_threadsafe(session.open)
         return session

@@ -103,6 +103,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="for sampled runs")
     p.add_argument("--pld-sweep", default="3,5,10", help="prompt_lookup_num_tokens values for hf-pld (best is kept)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the verifier and the hf-* modes")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="local deployment only: mutual TLS on every hop (a throwaway CA, as `specmesh up --tls`)",
+    )
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="local deployment only: client, admin and proposer-tier tokens (as `specmesh up --auth`)",
+    )
     p.add_argument("--corpus", default="", help="RAG corpus for the rag mode (with --target: one it already has)")
     p.add_argument(
         "--rag",
@@ -242,8 +252,10 @@ def main(argv: list[str] | None = None) -> None:
         tag=a.tag,
     )
     http = is_http(a.target)
+    if (a.tls or a.auth) and (a.target or http):
+        _fail("--tls and --auth configure the local deployment; a --target brings its own")
     with ExitStack() as stack:
-        oracle = None
+        oracle = dep = None
         if http:
             address = a.also_grpc
         elif a.target:
@@ -269,6 +281,8 @@ def main(argv: list[str] | None = None) -> None:
                     draft_model=a.draft_model or None,
                     extra_verifier_args=tuple(extra),
                     run_dir=run_dir,
+                    tls=a.tls,
+                    auth=a.auth,
                 )
             )
             print("bench: starting the local deployment …", file=sys.stderr)
@@ -284,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
             targets.append(http_target)
         client = server = None
         if address:
-            client = stack.enter_context(Client(address))
+            credentials = {"tls": dep.client_tls, "token": dep.token()} if dep is not None else {}
+            client = stack.enter_context(Client(address, **credentials))
             modes = _available(client, modes, list(prompts[0].token_ids), a.corpus)
             targets.append(GrpcTarget(client, spread=http))  # with HTTP: ITL estimated alike, for the comparison
             server = client.stats().server

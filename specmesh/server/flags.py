@@ -39,8 +39,30 @@ def boolean(text: str) -> bool:
     raise ValueError(text)
 
 
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20}
+_UNITS |= {"g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def byte_size(text: str) -> int | None:
+    """A memory size, "auto" (None: the service picks) or a number with an optional unit.
+
+    >>> byte_size("4GiB"), byte_size("512 MB"), byte_size("1000"), byte_size("auto")
+    (4294967296, 512000000, 1000, None)
+    """
+    value = text.strip().lower()
+    if value in ("auto", ""):
+        return None
+    number = value.rstrip("bikmgt ")
+    unit = value[len(number) :].strip()
+    if unit not in _UNITS or float(number) <= 0:
+        raise ValueError(text)
+    return int(float(number) * _UNITS[unit])
+
+
 def _type_name(kind: Callable[[str], Any]) -> str:
-    return {int: "integer", float: "number", boolean: "yes/no"}.get(kind, getattr(kind, "__name__", "value"))
+    return {int: "integer", float: "number", boolean: "yes/no", byte_size: "size"}.get(
+        kind, getattr(kind, "__name__", "value")
+    )
 
 
 class ServiceFlags:

@@ -9,11 +9,25 @@ forward over the running batch takes a view of the buffers, never a gather.
 The object duck-types the part of transformers' ``Cache`` that decoder layers call
 (``update``), so the stock HF model runs over it. Which positions the new tokens are written to
 is set per forward by :meth:`begin_forward`; masking is the caller's 4D attention mask.
+
+The cache can be held to a token budget (``token_budget``: slots × positions allocated, from the
+``--kv-cache-memory`` flag): growth stops at it, and :meth:`fit` gives memory back when the running
+requests need much less than is allocated (after a long request ends).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+
 import torch
+
+MIN_SLOTS, MIN_SEQ = 4, 512  # the smallest allocation; below it reallocating costs more than it saves
+
+
+class KVBudgetExceeded(MemoryError):
+    """Asked to hold more slots × positions than the cache's token budget."""
 
 
 class SlotKVCache:
@@ -24,17 +38,22 @@ class SlotKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        slot_capacity: int = 4,
-        seq_capacity: int = 512,
+        slot_capacity: int = MIN_SLOTS,
+        seq_capacity: int = MIN_SEQ,
         seq_limit: int | None = None,
+        token_budget: int | None = None,
     ) -> None:
+        """``seq_limit``: positions per slot never exceed it (the model's context); ``token_budget``:
+        slots × positions allocated never exceed it (None: unbounded)."""
         self.num_layers = num_layers
         self.shape_tail = (num_kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.seq_limit = seq_limit
+        self.token_budget = token_budget
         self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, seq_cap, head_dim]
         self.values: list[torch.Tensor] = []
-        self._alloc(slot_capacity, seq_capacity)
+        slots, seq = self.plan(1, 1)
+        self._alloc(max(min(slot_capacity, slots), 1), max(min(seq_capacity, seq), 1))
         self._rows = slice(0, 0)
         self._write_pos: torch.Tensor | None = None  # [b, n] target positions of new tokens
         self._kv_len = 0
@@ -48,31 +67,79 @@ class SlotKVCache:
     def seq_capacity(self) -> int:
         return self.keys[0].shape[2]
 
-    def _alloc(self, slots: int, seq: int) -> None:
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one position in every layer."""
         heads, dim = self.shape_tail
-        old_k, old_v = self.keys, self.values
-        self.keys = [
-            torch.zeros(slots, heads, seq, dim, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        if old_k:
-            s, t = min(slots, old_k[0].shape[0]), min(seq, old_k[0].shape[2])
-            for new, old in zip(self.keys + self.values, old_k + old_v, strict=True):
-                new[:s, :, :t].copy_(old[:s, :, :t])
+        return 2 * self.num_layers * heads * dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.slot_capacity * self.seq_capacity * self.bytes_per_token
+
+    def fits(self, slots: int, seq: int) -> bool:
+        """Whether ``slots`` rows of ``seq`` positions fit in the token budget at all."""
+        return self.token_budget is None or slots * seq <= self.token_budget
+
+    def plan(self, slots: int, seq: int) -> tuple[int, int]:
+        """The allocation for a need of ``slots`` × ``seq``: powers of two (at least MIN_SLOTS ×
+        MIN_SEQ, at most ``seq_limit`` positions) so growth is amortised, then trimmed back toward the
+        need where the budget is smaller.
+
+        >>> c = SlotKVCache(1, 1, 1, torch.float32, torch.device("cpu"), token_budget=10_000)
+        >>> c.plan(3, 600), c.plan(3, 3000), c.plan(5, 1900)
+        ((4, 1024), (3, 3000), (5, 1900))
+        """
+        want_slots, want_seq = max(MIN_SLOTS, 1 << (slots - 1).bit_length()), max(MIN_SEQ, 1 << (seq - 1).bit_length())
+        if self.seq_limit is not None:
+            want_seq = max(seq, min(want_seq, self.seq_limit))
+        budget = self.token_budget
+        if budget is not None and want_slots * want_seq > budget:
+            want_seq = max(seq, min(want_seq, budget // want_slots))
+            if want_slots * want_seq > budget:
+                want_slots = max(slots, budget // want_seq)
+        return want_slots, want_seq
+
+    def _alloc(self, slots: int, seq: int) -> None:
+        """Reallocate to ``slots`` × ``seq``, keeping what fits. One layer at a time, so old and new
+        buffers coexist for a layer, not for the whole cache."""
+        heads, dim = self.shape_tail
+        first = not self.keys
+        if first:
+            self.keys, self.values = [torch.empty(0)] * self.num_layers, [torch.empty(0)] * self.num_layers
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                new = torch.zeros(slots, heads, seq, dim, dtype=self.dtype, device=self.device)
+                if not first:
+                    s, t = min(slots, old.shape[0]), min(seq, old.shape[2])
+                    new[:s, :, :t].copy_(old[:s, :, :t])
+                bufs[i] = new
+                del old
 
     def reserve(self, slots: int, seq: int) -> None:
-        """Grow (by doubling) so that ``slots`` rows of ``seq`` positions fit."""
+        """Grow so that ``slots`` rows of ``seq`` positions fit (``plan``); KVBudgetExceeded if the
+        budget cannot hold them."""
         if slots <= self.slot_capacity and seq <= self.seq_capacity:
             return
-        new_slots = self.slot_capacity
-        while new_slots < slots:
-            new_slots *= 2
-        new_seq = self.seq_capacity
-        while new_seq < seq:
-            new_seq *= 2
-        if self.seq_limit is not None:
-            new_seq = max(seq, min(new_seq, self.seq_limit))
+        if not self.fits(slots, seq):
+            raise KVBudgetExceeded(
+                f"{slots} × {seq} KV positions exceed the cache budget of {self.token_budget} positions"
+            )
+        new_slots, new_seq = self.plan(max(slots, self.slot_capacity), max(seq, self.seq_capacity))
+        if not self.fits(new_slots, new_seq):  # keeping the other dimension's size does not fit: only the need
+            new_slots, new_seq = self.plan(slots, seq)
         self._alloc(new_slots, new_seq)
+
+    def fit(self, slots: int, seq: int) -> bool:
+        """Give memory back when the first ``slots`` rows need only ``seq`` positions and that plans
+        to a quarter of what is allocated or less (not less: a request joining or leaving would
+        reallocate back and forth). Contents of those rows are kept. True if it shrank."""
+        new_slots, new_seq = self.plan(slots, seq)
+        if 4 * new_slots * new_seq > self.slot_capacity * self.seq_capacity:
+            return False
+        self._alloc(new_slots, new_seq)
+        release_freed_memory(self.device)
+        return True
 
     # --- slots --------------------------------------------------------------------------
     def move_slot(self, src: int, dst: int, length: int) -> None:
@@ -119,3 +186,35 @@ class SlotKVCache:
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand freed tensor memory back to the system: the CUDA caching allocator's blocks, or on Linux
+    the C heap's free pages (large buffers are unmapped on free; smaller ones stay in the heap)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def default_budget_bytes(device: torch.device) -> int:
+    """The KV budget when none is given: 30 % of the memory free now (after the model is loaded):
+    the device's free memory on a GPU; on a host MemAvailable (else physical memory), or what the
+    container's cgroup limit leaves if that is less."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.3)
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # In a container /proc/meminfo shows the node: the cgroup's limit (less its usage) binds first.
+    with contextlib.suppress(OSError, ValueError):
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                available = min(available, int(limit) - int(f.read()))
+    return max(int(available * 0.3), 0)

@@ -10,20 +10,48 @@ service. Services import this module; the client SDK never does (prometheus_clie
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 REGISTRY = CollectorRegistry()  # this process's metrics (not prometheus_client's global default)
 
-STEP_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+# Latency buckets span a GPU's milliseconds and a small CPU's seconds alike.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+LENGTH_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 REQUEST_STATUSES = ("ok", "error", "rejected", "cancelled", "deadline_exceeded", "invalid")
 FALLBACK_CATEGORIES = ("timeout", "unavailable", "stream_ended", "precondition", "invalid_argument", "error")
+
+
+def batch_class(rows: int) -> str:
+    """A bounded label for a forward's batch size (requests in it): powers of two, then "33+".
+
+    >>> [batch_class(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 500)]
+    ['1', '2', '3-4', '3-4', '5-8', '5-8', '9-16', '9-16', '17-32', '17-32', '33+', '33+']
+    """
+    return _BATCH_CLASSES[rows] if 0 <= rows < len(_BATCH_CLASSES) else "33+"
+
+
+_BATCH_CLASSES = ("0", "1", "2", *["3-4"] * 2, *["5-8"] * 4, *["9-16"] * 8, *["17-32"] * 16)
+
+
+def bounded_tag(tag: str, allowed: Collection[str]) -> str:
+    """What a client's ``workload_tag`` becomes as a Prometheus label: itself if the operator
+    allow-listed it (``--metrics-tags``), "" if empty, else "other" (bounded; no tenant name leaks).
+
+    >>> [bounded_tag(t, {"code"}) for t in ("code", "", "tenant-acme-secret")]
+    ['code', '', 'other']
+    """
+    return tag if not tag or tag in allowed else "other"
 
 
 def fallback_category(reason: str) -> str:
@@ -50,86 +78,194 @@ def fallback_category(reason: str) -> str:
 
 
 class VerifierMetrics:
-    """Counters, histograms and gauges of a verifier; the engine and servicers call the methods."""
+    """Counters, histograms and gauges of a verifier; the engine and servicers call the methods.
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        r = registry
-        self.requests = Counter("specmesh_requests", "Generate requests by outcome", ["status"], registry=r)
+    Every series carries ``model`` (the served model's name), the last label. The engine thread's
+    calls (``tokens``, ``step``, ``first_token`` …) use children bound at start-up: one observe each.
+    """
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY, model: str = "", proposers: Iterable[str] = ()) -> None:
+        """``proposers``: the configured proposer names, whose counters are exported at 0 from the
+        start (a fallback or an invalid tree is then a change of a known series, which ``rate`` sees)."""
+        r, m = registry, ["model"]
+        self.model = model
+        self.requests = Counter("specmesh_requests", "Generate requests by outcome", ["status", *m], registry=r)
         for status in REQUEST_STATUSES:  # every outcome exported from the start, at 0
-            self.requests.labels(status)
-        self.prompt_tokens = Counter("specmesh_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.generated_tokens = Counter("specmesh_generated_tokens", "Tokens generated (streamed)", registry=r)
+            self.requests.labels(status, model)
+        self.prompt_tokens = Counter("specmesh_prompt_tokens", "Prompt tokens prefilled", m, registry=r)
+        self.generated_tokens = Counter("specmesh_generated_tokens", "Tokens generated (streamed)", m, registry=r)
         self.ttft = Histogram(
-            "specmesh_time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS, registry=r
+            "specmesh_time_to_first_token_seconds", "Arrival to first token", m, buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "specmesh_inter_token_latency_seconds",
+            "Gap between a request's consecutive streamed chunks (one per verification step that emitted: "
+            "a step accepting several draft tokens is one gap)",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "specmesh_e2e_request_latency_seconds",
+            "Arrival to last token of a finished request",
+            m,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "specmesh_request_queue_time_seconds",
+            "Arrival to the start of the request's prefill (time waiting for a slot and KV memory)",
+            m,
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.prompt_length = Histogram(
+            "specmesh_request_prompt_tokens",
+            "Prompt length of finished requests",
+            m,
+            buckets=LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.generation_length = Histogram(
+            "specmesh_request_generation_tokens",
+            "Generated tokens of finished requests",
+            m,
+            buckets=LENGTH_BUCKETS,
+            registry=r,
         )
         self.spec_steps = Counter(
-            "specmesh_speculation_steps", "Verification steps that carried a draft", ["proposer"], registry=r
+            "specmesh_speculation_steps", "Verification steps that carried a draft", ["proposer", *m], registry=r
         )
-        self.drafted = Counter("specmesh_drafted_tokens", "Draft tokens verified", ["proposer"], registry=r)
-        self.accepted = Counter("specmesh_accepted_tokens", "Draft tokens accepted", ["proposer"], registry=r)
+        self.drafted = Counter("specmesh_drafted_tokens", "Draft tokens verified", ["proposer", *m], registry=r)
+        self.accepted = Counter("specmesh_accepted_tokens", "Draft tokens accepted", ["proposer", *m], registry=r)
         self.accepted_length = Histogram(
             "specmesh_accepted_length",
             "Draft tokens accepted per verification step",
-            ["proposer"],
+            ["proposer", *m],
             buckets=ACCEPTED_BUCKETS,
             registry=r,
         )
         self.position_tried = Counter(
             "specmesh_position_tried",
             "Steps that decided the draft token at this depth (1-based)",
-            ["proposer", "position"],
+            ["proposer", "position", *m],
             registry=r,
         )
         self.position_accepted = Counter(
             "specmesh_position_accepted",
             "Steps that accepted the draft token at this depth (1-based)",
-            ["proposer", "position"],
+            ["proposer", "position", *m],
             registry=r,
         )
         self.step_seconds = Histogram(
-            "specmesh_step_seconds", "Engine forward time by phase", ["phase"], buckets=STEP_BUCKETS, registry=r
+            "specmesh_step_seconds",
+            "Engine forward time by phase and batch size (requests in the forward, bucketed: batch_class)",
+            ["phase", "batch", *m],
+            buckets=STEP_BUCKETS,
+            registry=r,
         )
         self.step_tokens = Counter(
-            "specmesh_step_tokens", "New tokens fed to forwards, by phase", ["phase"], registry=r
+            "specmesh_step_tokens", "New tokens fed to forwards, by phase", ["phase", *m], registry=r
         )
         self.decisions = Counter(
             "specmesh_router_decisions",
             "Router decisions by proposer and whether it speculates now",
-            ["proposer", "speculate"],
+            ["proposer", "speculate", *m],
             registry=r,
         )
         self.invalid_trees = Counter(
-            "specmesh_invalid_trees", "Malformed draft trees rejected", ["proposer"], registry=r
+            "specmesh_invalid_trees", "Malformed draft trees rejected", ["proposer", *m], registry=r
         )
         self.fallbacks = Counter(
             "specmesh_proposer_fallbacks",
             "Requests that lost their proposer and went on without speculation",
-            ["proposer", "reason"],
+            ["proposer", "reason", *m],
             registry=r,
         )
-        self.running = Gauge("specmesh_running_requests", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("specmesh_waiting_requests", "Requests admitted, not yet running", registry=r)
+        self.running = Gauge("specmesh_running_requests", "Requests in the running batch", m, registry=r)
+        self.waiting = Gauge("specmesh_waiting_requests", "Requests admitted, not yet running", m, registry=r)
+        self.kv_bytes = Gauge("specmesh_kv_cache_bytes", "KV cache memory allocated", m, registry=r)
+        self.kv_budget = Gauge(
+            "specmesh_kv_cache_budget_bytes", "KV cache memory budget (--kv-cache-memory)", m, registry=r
+        )
+        self.preemptions = Counter(
+            "specmesh_preemptions",
+            "Running requests sent back to wait (KV budget); recomputed on return",
+            m,
+            registry=r,
+        ).labels(model)  # the engine's ``metrics.preemptions.inc()``
+        # Bound once: the engine thread's calls skip the label lookup.
+        self._prompt_tokens, self._generated = self.prompt_tokens.labels(model), self.generated_tokens.labels(model)
+        self._ttft, self._itl, self._e2e = self.ttft.labels(model), self.itl.labels(model), self.e2e.labels(model)
+        self._queue = self.queue_time.labels(model)
+        self._prompt_len, self._gen_len = self.prompt_length.labels(model), self.generation_length.labels(model)
+        self._steps: dict[tuple[str, int], tuple[Histogram, Counter]] = {}
+        for proposer in (*proposers, "none"):
+            for speculate in ("true", "false"):
+                self.decisions.labels(proposer, speculate, model)
+        for proposer in proposers:
+            for counter in (self.spec_steps, self.drafted, self.accepted, self.invalid_trees):
+                counter.labels(proposer, model)
+            for reason in FALLBACK_CATEGORIES:
+                self.fallbacks.labels(proposer, reason, model)
 
     def track_queue(self, counts: Callable[[], tuple[int, int]]) -> None:
         """Read (running, waiting) at scrape time, e.g. ``engine.counts``."""
-        self.running.set_function(lambda: counts()[0])
-        self.waiting.set_function(lambda: counts()[1])
+        self.running.labels(self.model).set_function(lambda: counts()[0])
+        self.waiting.labels(self.model).set_function(lambda: counts()[1])
 
-    def request_finished(self, status: str, prompt_tokens: int = 0, ttft_s: float | None = None) -> None:
-        """Once per request: ``status`` one of REQUEST_STATUSES; generated tokens go through ``tokens``."""
-        self.requests.labels(status if status in REQUEST_STATUSES else "error").inc()
+    def track_kv_cache(self, allocated: Callable[[], int], budget_bytes: int | None) -> None:
+        """Read the KV cache's allocated bytes at scrape time; the budget is fixed at start-up."""
+        self.kv_bytes.labels(self.model).set_function(allocated)
+        if budget_bytes is not None:
+            self.kv_budget.labels(self.model).set(budget_bytes)
+
+    def request_finished(
+        self,
+        status: str,
+        prompt_tokens: int = 0,
+        ttft_s: float | None = None,
+        generation_tokens: int | None = None,
+        e2e_s: float | None = None,
+    ) -> None:
+        """Once per request: ``status`` one of REQUEST_STATUSES; generated tokens go through ``tokens``.
+        A finished request also gives its lengths and end-to-end latency (``ttft_s``: for callers
+        that do not report the first token as it happens, ``first_token``)."""
+        self.requests.labels(status if status in REQUEST_STATUSES else "error", self.model).inc()
         if prompt_tokens:
-            self.prompt_tokens.inc(prompt_tokens)
+            self._prompt_tokens.inc(prompt_tokens)
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            self._ttft.observe(ttft_s)
+        if generation_tokens is not None:
+            self._prompt_len.observe(prompt_tokens)
+            self._gen_len.observe(generation_tokens)
+        if e2e_s is not None:
+            self._e2e.observe(e2e_s)
 
-    def tokens(self, n: int) -> None:
-        self.generated_tokens.inc(n)
+    def queued(self, seconds: float) -> None:
+        """A request starts its prefill ``seconds`` after it arrived."""
+        self._queue.observe(seconds)
 
-    def step(self, phase: str, seconds: float, tokens: int) -> None:
-        """One forward: ``phase`` "prefill" | "decode"; ``tokens``: new tokens fed (padding included)."""
-        self.step_seconds.labels(phase).observe(seconds)
-        self.step_tokens.labels(phase).inc(tokens)
+    def first_token(self, ttft_s: float) -> None:
+        self._ttft.observe(ttft_s)
+
+    def tokens(self, n: int, gap_s: float | None = None) -> None:
+        """A chunk of ``n`` tokens streamed to one request, ``gap_s`` after its previous chunk (None: its first)."""
+        self._generated.inc(n)
+        if gap_s is not None:
+            self._itl.observe(gap_s)
+
+    def step(self, phase: str, seconds: float, tokens: int, rows: int = 1) -> None:
+        """One forward: ``phase`` "prefill" | "decode"; ``tokens``: new tokens fed (padding included);
+        ``rows``: requests in it (the ``batch`` label, bucketed by ``batch_class``)."""
+        children = self._steps.get((phase, rows))
+        if children is None:
+            children = self._steps[(phase, rows)] = (
+                self.step_seconds.labels(phase, batch_class(rows), self.model),
+                self.step_tokens.labels(phase, self.model),
+            )
+        children[0].observe(seconds)
+        children[1].inc(tokens)
 
     def speculation(
         self,
@@ -142,30 +278,32 @@ class VerifierMetrics:
     ) -> None:
         """Counts of one or more verification steps (``router.stats.AcceptanceStats`` fields:
         ``hits[d]`` / ``trials[d]`` steps accepted / decided the token at depth d + 1)."""
-        self.spec_steps.labels(proposer).inc(steps)
-        self.drafted.labels(proposer).inc(drafted)
-        self.accepted.labels(proposer).inc(accepted)
+        m = self.model
+        self.spec_steps.labels(proposer, m).inc(steps)
+        self.drafted.labels(proposer, m).inc(drafted)
+        self.accepted.labels(proposer, m).inc(accepted)
         hits, trials = list(hits), list(trials)
         for d, n in enumerate(trials):
             if n:
-                self.position_tried.labels(proposer, str(d + 1)).inc(n)
+                self.position_tried.labels(proposer, str(d + 1), m).inc(n)
         reached = steps  # steps that accepted at least d tokens
+        lengths = self.accepted_length.labels(proposer, m)
         for d, h in enumerate([*hits, 0.0]):
             if h:
-                self.position_accepted.labels(proposer, str(d + 1)).inc(h)
+                self.position_accepted.labels(proposer, str(d + 1), m).inc(h)
             for _ in range(round(reached - h)):  # steps that accepted exactly d tokens
-                self.accepted_length.labels(proposer).observe(d)
+                lengths.observe(d)
             reached = h
 
     def decision(self, proposer: str, speculate: bool) -> None:
-        self.decisions.labels(proposer, "true" if speculate else "false").inc()
+        self.decisions.labels(proposer, "true" if speculate else "false", self.model).inc()
 
     def invalid_tree(self, proposer: str, n: int = 1) -> None:
         if n:
-            self.invalid_trees.labels(proposer).inc(n)
+            self.invalid_trees.labels(proposer, self.model).inc(n)
 
     def fallback(self, proposer: str, reason: str) -> None:
-        self.fallbacks.labels(proposer, fallback_category(reason)).inc()
+        self.fallbacks.labels(proposer, fallback_category(reason), self.model).inc()
 
 
 class ProposerMetrics:
@@ -205,12 +343,16 @@ class ProposerMetrics:
 class RouterStatsCollector:
     """Exports a router statistics backend (``router.stats.StatsBackend``) at scrape time.
 
-    Workload tags are client text: beyond ``max_series`` keys only the busiest are exported
-    (the pooled per-proposer keys, tag "", always are).
+    Workload tags are client text, possibly a tenant's name: a tag is a label value only if it is
+    in ``tags`` (``--metrics-tags``); every other non-empty tag is pooled under "other" (statistics
+    summed), so the series are bounded and /metrics names no tenant the operator did not list.
+    Beyond ``max_series`` keys only the busiest are exported (the pooled per-proposer keys, tag "",
+    always are).
     """
 
-    def __init__(self, backend, model: str = "", max_series: int = 200) -> None:
+    def __init__(self, backend, model: str = "", max_series: int = 200, tags: Collection[str] = ()) -> None:
         self.backend, self.model, self.max_series = backend, model, max_series
+        self.tags = frozenset(tags)
 
     def collect(self):
         labels = ["model", "proposer", "workload_tag"]
@@ -228,19 +370,24 @@ class RouterStatsCollector:
                 labels=labels,
             ),
         }
-        snap = self.backend.snapshot()
-        rows = [(k, s) for k, s in snap.items() if not self.model or k.model == self.model]
-        rows.sort(key=lambda ks: (ks[0].workload_tag != "", -ks[1].steps))
-        for key, stats in rows[: self.max_series]:
-            values = [key.model, key.proposer, key.workload_tag]
+        pooled: dict[tuple[str, str, str], Any] = {}  # AcceptanceStats by label values
+        for key, stats in self.backend.snapshot().items():
+            if self.model and key.model != self.model:
+                continue
+            label = (key.model, key.proposer, bounded_tag(key.workload_tag, self.tags))
+            pooled[label] = stats if label not in pooled else pooled[label] + stats
+        rows = sorted(pooled.items(), key=lambda ks: (ks[0][2] != "", -ks[1].steps))
+        for values, stats in rows[: self.max_series]:
             for name, family in families.items():
-                family.add_metric(values, getattr(stats, name))
+                family.add_metric(list(values), getattr(stats, name))
         yield from families.values()
         status = self.backend.status()
         up = GaugeMetricFamily(
-            "specmesh_router_stats_connected", "1 when the statistics backend is reachable", labels=["backend"]
+            "specmesh_router_stats_connected",
+            "1 when the statistics backend is reachable",
+            labels=["backend", "model"],
         )
-        up.add_metric([status.backend], 1.0 if status.connected else 0.0)
+        up.add_metric([status.backend, self.model], 1.0 if status.connected else 0.0)
         yield up
 
 
@@ -255,10 +402,26 @@ class MetricsServer:
         self._server.server_close()
 
 
+def metrics_host(address: str, override: str = "") -> str:
+    """Where /metrics listens: ``override`` (``--metrics-address``) if set, else the host of the
+    service's own ``--address``, so a service bound to loopback does not export on every interface.
+
+    >>> metrics_host("127.0.0.1:50051"), metrics_host("0.0.0.0:50051"), metrics_host("[::1]:50051")
+    ('127.0.0.1', '0.0.0.0', '::1')
+    >>> metrics_host("127.0.0.1:50051", "0.0.0.0"), metrics_host(":50051")
+    ('0.0.0.0', '0.0.0.0')
+    """
+    if override:
+        return override.strip("[]")
+    host = address.rpartition(":")[0].strip("[]")
+    return host or "0.0.0.0"
+
+
 def start_metrics_server(
-    port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY
+    port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY
 ) -> MetricsServer | None:
-    """Serve ``registry`` on http://addr:port/metrics in a daemon thread; port 0 = metrics off (None)."""
+    """Serve ``registry`` on http://addr:port/metrics in a daemon thread; port 0 = metrics off (None).
+    ``addr``: the interface (``metrics_host``), an IPv4 or IPv6 address or a host name."""
     if port <= 0:
         return None
     server, thread = start_http_server(port, addr=addr, registry=registry)

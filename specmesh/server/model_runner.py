@@ -38,12 +38,18 @@ class ModelRunner:
         max_context: int,
         tree_kernel: bool | None = None,
         packed_linears: bool = False,
+        kv_budget_bytes: int | None = None,
     ) -> None:
         """``tree_kernel``: tree steps through the Triton tree-attention kernel; default on CUDA only.
         Otherwise SDPA over the cache without repeating K/V (both in ``attention``; models it does not
         support keep transformers' attention, and no kernel).
         ``packed_linears``: on a CPU, replace the model's linear layers in place by oneDNN ones with
-        pre-packed weights (``packed_linear``; ignored where unsupported)."""
+        pre-packed weights (``packed_linear``; ignored where unsupported).
+        ``kv_budget_bytes``: the KV cache never allocates more (None: unbounded)."""
+        # Counted before packing (packed layers keep their weights outside nn.Parameters).
+        weights = sum(
+            p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
+        )
         self.packed_linears = packed_linears and packed_linear.supported(device, dtype)
         if self.packed_linears:
             packed_linear.pack_linears(model)
@@ -56,6 +62,11 @@ class ModelRunner:
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
         self.vocab_size = int(text_cfg.vocab_size)
+        layers, heads = text_cfg.num_hidden_layers, text_cfg.num_attention_heads
+        bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        # A new token's linear layers (2 flops per weight) cost as much as attending this many cached
+        # keys (4 flops per key, head dimension, head and layer): how prefill work grows with position.
+        self.keys_per_token = max(weights / (2 * head_dim * heads * layers), 256.0)
         self.cache = SlotKVCache(
             num_layers=text_cfg.num_hidden_layers,
             num_kv_heads=kv_heads,
@@ -63,6 +74,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
             seq_limit=max_context,
+            token_budget=None if kv_budget_bytes is None else kv_budget_bytes // bytes_per_token,
         )
         # The kernel applies neither sliding windows nor soft-capping either: supported models only.
         supported = attention.supports(cfg)

@@ -130,6 +130,14 @@ def test_missing_messages_fail_validation():
             "spec_decode.proposer",
         ),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent requests", 429, "rate_limit_error", None),
+        (  # too large for the KV budget even alone: retrying cannot help
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "the request needs up to 9000 KV cache positions (…) over this verifier's KV budget of 6826 positions "
+            "(--kv-cache-memory); send a shorter prompt or a lower max_tokens",
+            400,
+            "invalid_request_error",
+            "max_completion_tokens",
+        ),
         (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", 503, "service_unavailable_error", None),
         (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", 504, "timeout_error", None),
         (grpc.StatusCode.INTERNAL, "engine step failed", 500, "server_error", None),

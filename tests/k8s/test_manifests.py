@@ -13,9 +13,11 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -812,6 +814,126 @@ def test_the_image_bakes_the_model_path_the_manifests_load():
         assert models["data"] == {"target": model, "draft": model}
 
 
+# ---- the monitoring component (k8s/components/monitoring) -----------------------------------------
+
+MONITORING = "components/monitoring"
+MONITORING_OBJECTS = {
+    ("ServiceMonitor", "specmesh"),
+    ("PrometheusRule", "specmesh"),
+    ("ConfigMap", "specmesh-grafana-dashboard"),
+}
+MONITORED_TIERS = ("verifier", "ngram", "draft", "rag", "gateway")
+PROMETHEUS = ("monitoring", {"app.kubernetes.io/name": "prometheus"})  # what the NetworkPolicies admit
+# The fields this component uses of the Prometheus Operator's CRDs (no OpenAPI schema offline): a typo fails.
+SERVICE_MONITOR_FIELDS = {"selector", "namespaceSelector", "endpoints"}
+ENDPOINT_FIELDS = {"port", "path", "interval", "scrapeTimeout", "scheme"}
+RULE_FIELDS = {"alert", "expr", "for", "labels", "annotations"}
+
+
+@functools.cache
+def render_with_component(overlay: str, component: str) -> tuple[dict[str, Any], ...]:
+    """``overlay`` with ``component`` enabled as k8s/README.md shows: an overlay of one's own listing it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rel = Path(os.path.relpath(K8S, tmp))
+        kustomization = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [str(rel / overlay)],
+            "components": [str(rel / component)],
+        }
+        (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+        out = subprocess.run([kubectl(), "kustomize", tmp], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize {overlay} + {component} failed:\n{out.stderr}"
+    return tuple(obj for obj in yaml.safe_load_all(out.stdout) if obj)
+
+
+def monitoring_objects(overlay: str) -> dict[str, dict[str, Any]]:
+    """The component's objects in ``overlay`` + the component, by kind."""
+    return {
+        o["kind"]: o
+        for o in render_with_component(overlay, MONITORING)
+        if (o["kind"], o["metadata"]["name"]) in MONITORING_OBJECTS
+    }
+
+
+@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+def test_the_monitoring_component_adds_its_objects_and_changes_nothing_else(overlay):
+    rendered = render_with_component(overlay, MONITORING)
+    added = [o for o in rendered if (o["kind"], o["metadata"]["name"]) in MONITORING_OBJECTS]
+    assert {(o["kind"], o["metadata"]["name"]) for o in added} == MONITORING_OBJECTS
+    for o in added:
+        assert o["metadata"]["namespace"] == NAMESPACE, o["kind"]
+        assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "specmesh", o["kind"]
+
+    def key(o: dict[str, Any]) -> str:
+        return json.dumps(o, sort_keys=True)
+
+    rest = [o for o in rendered if o not in added]
+    assert sorted(map(key, rest)) == sorted(map(key, render(overlay)))
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_monitoring_objects_validate(version):
+    objs = monitoring_objects("overlays/cpu")
+    validate(objs["ConfigMap"], version)  # a built-in kind: the OpenAPI schema, strictly
+    sm, rule = objs["ServiceMonitor"], objs["PrometheusRule"]
+    for o in (sm, rule):
+        assert o["apiVersion"] == "monitoring.coreos.com/v1" and set(o) == {"apiVersion", "kind", "metadata", "spec"}
+    assert set(sm["spec"]) <= SERVICE_MONITOR_FIELDS
+    assert all(set(e) <= ENDPOINT_FIELDS and e["path"] == "/metrics" for e in sm["spec"]["endpoints"])
+    assert set(rule["spec"]) == {"groups"}
+    for group in rule["spec"]["groups"]:
+        assert set(group) == {"name", "rules"}
+        assert all(set(r) <= RULE_FIELDS and {"alert", "expr"} <= set(r) for r in group["rules"]), group["name"]
+
+
+@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+def test_the_service_monitor_scrapes_each_tier_once_on_the_port_that_serves_metrics(overlay):
+    rendered = render_with_component(overlay, MONITORING)
+    sm = monitoring_objects(overlay)["ServiceMonitor"]["spec"]
+    namespaces = sm["namespaceSelector"]["matchNames"]
+    services = [
+        o
+        for o in rendered
+        if o["kind"] == "Service"
+        and o["metadata"]["namespace"] in namespaces
+        and matches(sm["selector"], o["metadata"].get("labels", {}))
+    ]
+    templates = dict(pod_templates(overlay))
+    policies = list(objects(overlay, "NetworkPolicy").values())
+    scraped: dict[str, list[int]] = {}
+    for svc in services:
+        for endpoint in sm["endpoints"]:
+            port = next((p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]), None)
+            if port is None:
+                continue  # this Service does not carry that port: no target
+            for workload, t in templates.items():
+                if matches({"matchLabels": svc["spec"]["selector"]}, t["metadata"]["labels"]):
+                    c = t["spec"]["containers"][0]
+                    named = {cp["name"]: cp["containerPort"] for cp in c["ports"]}
+                    scraped.setdefault(workload, []).append(named[port["targetPort"]])
+    assert set(scraped) == set(MONITORED_TIERS), scraped
+    for workload, ports in scraped.items():
+        c = templates[workload]["spec"]["containers"][0]
+        http = command(c)[1] in HTTP_SERVICES
+        serves = listen_port(c) if http else int(flag_values(c["args"])["--metrics-port"][0])
+        assert ports == [serves], f"{workload}: scraped on {ports}, /metrics is on {serves}"
+        labels = templates[workload]["metadata"]["labels"]
+        assert ingress_allows(policies, PROMETHEUS, (NAMESPACE, labels), serves), f"{workload} refuses Prometheus"
+
+
+def test_the_grafana_dashboard_config_map_is_the_checked_in_json():
+    cm = monitoring_objects("overlays/cpu")["ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's dashboard sidecar looks for
+    text = (K8S / MONITORING / "dashboards" / "specmesh.json").read_text()
+    assert cm["data"] == {"specmesh.json": text}
+    board = json.loads(text)
+    assert board["uid"] == "specmesh" and board["panels"]
+    assert all(
+        t["expr"] for p in board["panels"] for t in p.get("targets", [])
+    )  # queries: tests/k8s/test_monitoring.py
+
+
 # ---- the README's commands ------------------------------------------------------------------------
 
 
@@ -841,3 +963,140 @@ def test_the_readme_specmesh_commands_parse_with_the_real_cli():
             parser.parse_args(argv[1:] if argv[0] == "rag" else argv)
         except SystemExit:
             pytest.fail(f"k8s/README.md: `specmesh {' '.join(argv)}` does not parse")
+
+
+# ---- security: tokens from Secrets, reflection off, the TLS component (k8s/components/tls) --------
+
+GRPC_SERVERS = ("verifier", "ngram", "draft", "rag")
+# Which token each workload may read (Secret specmesh-tokens, mounted file by file) and through which variable.
+TOKEN_ENV = {
+    "verifier": {
+        "SPECMESH_AUTH_TOKEN_FILE": "client",
+        "SPECMESH_ADMIN_TOKEN_FILE": "admin",
+        "SPECMESH_PROPOSER_TOKEN_FILE": "proposer",
+    },
+    "ngram": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
+    "draft": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
+    "rag": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
+    "gateway": {"SPECMESH_API_KEY_FILE": "api-key", "SPECMESH_VERIFIER_TOKEN_FILE": "client"},
+    "rag-ingest": {"SPECMESH_TOKEN_FILE": "proposer"},
+}
+
+
+def secret_file(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str] | None:
+    """(Secret name, key) behind ``path`` if a read-only mount of a Secret volume holds it."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for m in container.get("volumeMounts", []):
+        root = m["mountPath"].rstrip("/") + "/"
+        secret = volumes[m["name"]].get("secret")
+        if secret and path.startswith(root) and m.get("readOnly"):
+            rel = path[len(root) :]
+            items = {i["path"]: i["key"] for i in secret.get("items", [])}
+            return secret["secretName"], items.get(rel, rel) if items else rel
+    return None
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_tier_reads_only_its_own_tokens_from_a_read_only_secret_mount(kustomization):
+    seen = set()
+    for name, pod, c in specmesh_containers(kustomization):
+        env = literal_env(c)
+        wanted = TOKEN_ENV[name]
+        got = {k: v for k, v in env.items() if k.endswith(("TOKEN_FILE", "KEY_FILE"))}
+        assert set(got) == set(wanted), f"{name}: token variables {sorted(got)}"
+        for var, key in wanted.items():
+            assert secret_file(pod, c, got[var]) == ("specmesh-tokens", key), f"{name}: {var}={got[var]}"
+        tokens = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "specmesh-tokens")
+        mounted = {i["key"] for i in tokens["secret"]["items"]}
+        assert mounted == set(wanted.values()), f"{name} can read tokens it does not use: {mounted}"
+        seen.add(name)
+    assert seen == set(TOKEN_ENV)
+
+
+@pytest.mark.parametrize("kustomization", ["overlays/cpu", "overlays/gpu"])
+def test_reflection_is_off_on_every_grpc_service_of_the_overlays(kustomization):
+    from specmesh.server.flags import boolean
+
+    servers = [(n, c) for n, _, c in specmesh_containers(kustomization) if command(c)[1:] and n in GRPC_SERVERS]
+    assert {n for n, _ in servers} == set(GRPC_SERVERS)
+    for name, c in servers:
+        assert boolean(literal_env(c).get("SPECMESH_REFLECTION", "on")) is False, name
+
+
+TLS = "components/tls"
+CERT_MANAGER = {("Issuer", "specmesh-selfsigned"), ("Certificate", "specmesh-ca"), ("Issuer", "specmesh-ca")}
+CERT_MANAGER |= {("Certificate", "specmesh-tls")}
+CERTIFICATE_FIELDS = {"secretName", "duration", "renewBefore", "privateKey", "usages", "commonName", "dnsNames"}
+CERTIFICATE_FIELDS |= {"issuerRef", "isCA"}
+
+
+def dialed_hosts(rendered: tuple[dict[str, Any], ...]) -> dict[str, set[str]]:
+    """Host names each client workload dials a SpecMesh gRPC tier by (as its TLS peer name), namespace expanded."""
+    out: dict[str, set[str]] = {}
+    for o in rendered:
+        if o["kind"] not in ("Deployment", "Job"):
+            continue
+        for c in o["spec"]["template"]["spec"]["containers"]:
+            if not is_specmesh(c):
+                continue
+            flags = flag_values(c["args"])
+            targets = [v.partition("=")[2] for v in flags.get("--proposer", [])]
+            targets += flags.get("--verifier", []) + flags.get("--target", [])
+            for t in targets:
+                host = expand(t, {"POD_NAMESPACE": NAMESPACE}).removeprefix("dns:///").rsplit(":", 1)[0]
+                out.setdefault(o["metadata"]["name"], set()).add(host)
+    return out
+
+
+@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+def test_the_tls_component_gives_every_hop_mutual_tls_from_cert_manager(overlay):
+    rendered = render_with_component(overlay, TLS)
+    by_key = {(o["kind"], o["metadata"]["name"]): o for o in rendered}
+    assert set(by_key) >= CERT_MANAGER
+    cert = by_key[("Certificate", "specmesh-tls")]["spec"]
+    assert set(cert) <= CERTIFICATE_FIELDS, set(cert) - CERTIFICATE_FIELDS
+    assert {"server auth", "client auth"} <= set(cert["usages"]) and cert["secretName"] == "specmesh-tls"
+    assert cert["issuerRef"] == {"name": "specmesh-ca", "kind": "Issuer"}
+    assert by_key[("Certificate", "specmesh-ca")]["spec"]["isCA"] is True
+    hosts = dialed_hosts(rendered)
+    assert hosts["verifier"] and hosts["gateway"] and hosts["rag-ingest"]
+    for client, names in hosts.items():  # every name a client verifies is on the certificate
+        assert names <= set(cert["dnsNames"]), f"{client} dials {names - set(cert['dnsNames'])}"
+
+    def tls_file(pod, c, var: str) -> str:
+        found = secret_file(pod, c, literal_env(c)[var].split()[0])
+        assert found is not None and found[0] == "specmesh-tls", f"{var} is not a file of Secret specmesh-tls"
+        return found[1]
+
+    workloads = {
+        o["metadata"]["name"]: (o["spec"]["template"]["spec"], o["spec"]["template"]["spec"]["containers"][0])
+        for o in rendered
+        if o["kind"] in ("Deployment", "Job") and is_specmesh(o["spec"]["template"]["spec"]["containers"][0])
+    }
+    for name in GRPC_SERVERS:
+        pod, c = workloads[name]
+        assert tls_file(pod, c, "SPECMESH_TLS_CERT") == "tls.crt" and tls_file(pod, c, "SPECMESH_TLS_KEY") == "tls.key"
+        assert tls_file(pod, c, "SPECMESH_TLS_CLIENT_CA") == "ca.crt"  # mutual TLS
+        health = int(literal_env(c)["SPECMESH_HEALTH_PORT"])
+        assert health != listen_port(c)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):  # kubelet cannot probe a TLS port
+            assert c[kind]["grpc"]["port"] == health, f"{name}: {kind}"
+        assert c["readinessProbe"]["grpc"]["service"].startswith("specmesh.v1."), name
+    pod, c = workloads["verifier"]
+    assert tls_file(pod, c, "SPECMESH_PROPOSER_TLS_CA") == "ca.crt"
+    pod, c = workloads["gateway"]
+    assert "SPECMESH_TLS_CERT" not in literal_env(c)  # its HTTP port is left to the Ingress
+    files = ["ca.crt", "tls.crt", "tls.key"]
+    assert [tls_file(pod, c, f"SPECMESH_VERIFIER_TLS_{k}") for k in ("CA", "CERT", "KEY")] == files
+    pod, c = workloads["rag-ingest"]
+    assert [tls_file(pod, c, f"SPECMESH_TLS_{k}") for k in ("CA", "CERT", "KEY")] == files
+    # Every variable the component sets is a flag default of the command it runs.
+    for name, (_, c) in workloads.items():
+        helps = " ".join(cli_help(command(c)).split())
+        for var in literal_env(c):
+            if var.startswith("SPECMESH_"):
+                assert f"[env {var}]" in helps or f'"{var}"' in source_text(), f"{name}: nothing reads {var}"
+    # Everything else still validates strictly (cert-manager's CRDs have no offline schema).
+    for o in rendered:
+        if (o["kind"], o["metadata"]["name"]) not in CERT_MANAGER:
+            validate(o, KUBERNETES_VERSIONS[-1])

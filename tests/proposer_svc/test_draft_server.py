@@ -11,8 +11,11 @@ from pathlib import Path
 import grpc
 import pytest
 from support import (
+    accepts_drafts_too_often,
     assert_chi_square,
     assert_greedy_equal,
+    assert_second_tokens_chi_square,
+    forgets_the_residual,
     second_token_counts,
     start_verifier,
     stop_verifier,
@@ -103,23 +106,106 @@ def test_greedy_with_a_two_layer_draft_is_identical_and_concurrent_requests_batc
     assert drafted > 0 and accepted < 0.5 * drafted  # trees were verified, and this draft is poor
 
 
+COLORS = "The three primary colors are red, blue and"
+SHALLOW = SpecDecodeParams(proposer="weak", num_speculative_tokens=1, max_tree_nodes=2)  # root: 2 children
+
+
 def test_sampled_tokens_with_the_draft_follow_the_target_softmax_chi_square(lm, services):
+    """End to end through the processes: seeded 2-token requests, the second token decided by
+    verifying the 2-layer draft's sampled tree, tested against the target's softmax after the
+    first token (stratified by it). The acceptance rule itself gets its large-sample test, with
+    negative controls, on tensors below; this one catches wiring (the draft's q and noise, seeds,
+    counters, temperature) with 400 requests."""
+    ids = lm.tokenizer.encode(COLORS)
+    n = 400
+    with Client(services.address) as c:
+        pairs, drafted = second_token_counts(c, ids, SHALLOW, n, 1.0)
+    assert drafted > 0
+    tested = assert_second_tokens_chi_square(lm, ids, pairs, 1.0, "draft")
+    assert tested >= n // 3, f"first token too spread ({tested} of {n} tested)"
+
+
+def test_draft_tree_acceptance_on_the_real_logits_emits_the_target_softmax_chi_square(lm):
+    """The verifier's sampled acceptance, on the real target's logits and the 2-layer draft's real
+    q (both computed once), for 20,000 seeds: each seed's root children drawn as the draft server
+    draws them (its noise stream, Gumbel-top-k without replacement, sibling distributions), then
+    walked. The emitted token follows the target's softmax (p = 0.001). Negative controls: rules
+    that accept drafts too often or forget the residual fail the same test on 2,000 seeds."""
     import torch
 
-    ids = lm.tokenizer.encode("The three primary colors are red, blue and")
+    from proposer_svc.distill import truncate_layers
+    from proposer_svc.draft import (
+        _DRAFT_SEED_MIX,
+        DraftConfig,
+        gumbel_order,
+        proposal_distribution,
+        sampling_template,
+        sibling_distribution,
+    )
+    from specmesh.server.sampling import uniform
+    from specmesh.server.tree import TokenTree
+    from verifier_svc.acceptance import acceptance_uniforms, sample_accept, walk_shape
+    from verifier_svc.batch_accept import accept_batch, target_probs
+    from verifier_svc.requests import GenerationRequest, SpecRequest
+
+    n, cfg = 20_000, DraftConfig()
+    template = sampling_template(SHALLOW.max_tree_nodes, SHALLOW.num_speculative_tokens, cfg.width, cfg.branch)
+    assert template == [[2]], "premise: the end-to-end request's tree is 2 root children"
+    width = template[0][0]
+    ids = lm.tokenizer.encode(COLORS)
+    weak = truncate_layers(copy.deepcopy(lm.model), 2)
+    one = torch.ones(1)
     with torch.inference_mode():
-        first = torch.softmax(lm.model(torch.tensor([ids])).logits[0, -1].float(), -1)
-    mode = int(first.argmax())
-    with torch.inference_mode():
-        p = torch.softmax(lm.model(torch.tensor([[*ids, mode]])).logits[0, -1].float(), -1)
-    n = 2000  # as many seeded requests as the n-gram chi-square test
-    shallow = SpecDecodeParams(proposer="weak", num_speculative_tokens=2, max_tree_nodes=4)  # root: 2 children
-    with Client(services.address) as c:
-        pairs, drafted = second_token_counts(c, ids, shallow, n, 1.0)
-    assert drafted > 0
-    seconds = torch.tensor([b for a, b in pairs if a == mode])
-    assert len(seconds) > n // 8, "first token too spread for the conditional test"
-    assert_chi_square(seconds, p, "draft")
+        context = [*ids, int(lm.model(torch.tensor([ids])).logits[0, -1].argmax())]
+        q_ids, q_p = proposal_distribution(
+            weak(torch.tensor([context])).logits[0, -1:].float(), one, one, torch.zeros(1, dtype=torch.long),
+            cfg.q_support, cfg.q_floor,
+        )  # fmt: skip
+        support = q_ids[0].tolist()  # every token a child can be: the target's rows after each, in one forward
+        logits = torch.cat(
+            [
+                lm.model(torch.tensor([context])).logits[0, -1:],
+                lm.model(torch.tensor([[*context, x] for x in support])).logits[:, -1],
+            ]
+        ).float()  # [1 + T, V]
+    spec = SpecRequest(proposer="weak", num_speculative_tokens=1, max_tree_nodes=2, workload_tag="", corpus="")
+    sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec=spec)
+    reqs = [GenerationRequest(str(s), context, seed=s, **sampled) for s in range(32)]
+    probs = target_probs(logits, reqs[:1], [len(logits)]).double()
+    # The draft server's root draw for each seed: its counter (context length * 1024 + depth 1), salts 1..T.
+    t = len(support)
+    seeds = (torch.arange(n) ^ _DRAFT_SEED_MIX) & 0x7FFFFFFFFFFFFFFF
+    counters = torch.full((n * t,), len(context) * 1024 + 1)
+    noise = uniform(seeds.repeat_interleave(t), counters, torch.arange(t).repeat(n) + 1)
+    order = gumbel_order(q_p.expand(n, t), noise.view(n, t))
+    drawn_ids, drawn_p = q_ids[0][order].tolist(), q_p[0].double()[order].tolist()
+    trees = [
+        TokenTree(ids_s[:width], [-1] * width, [sibling_distribution(ids_s, p_s, j) for j in range(width)])
+        for ids_s, p_s in zip(drawn_ids, drawn_p, strict=True)
+    ]
+    rows = [[0, *(1 + support.index(x) for x in tree.tokens)] for tree in trees]  # the walk's target rows
+    u = acceptance_uniforms(torch.arange(n), torch.full((n,), len(context)), *walk_shape(trees[0])).numpy()
+
+    table = probs.numpy()  # numpy's row gather is much cheaper than torch's for one small walk
+
+    def emitted(rule, count: int) -> torch.Tensor:
+        walks = ((trees[s], rule(trees[s], torch.from_numpy(table[rows[s]]), u[s])) for s in range(count))
+        return torch.tensor([tree.tokens[path[0]] if path else bonus for tree, (path, bonus) in walks])
+
+    seconds = emitted(sample_accept, n)
+    # This walk is the engine's acceptance dispatch draw for draw (probabilities, seeds, counters).
+    k = len(reqs)
+    batch_logits = logits[[r for s in range(k) for r in rows[s]]]
+    batch = accept_batch(reqs, [len(context)] * k, trees[:k], batch_logits, [1 + width] * k)
+    firsts = [trees[s].tokens[path[0]] if path else bonus for s, (path, bonus) in enumerate(batch)]
+    assert firsts == seconds[:k].tolist()
+    assert_chi_square(seconds, probs[0], f"draft, {n} seeds")
+
+    control = 2_000
+    assert_chi_square(seconds[:control], probs[0], "the right rule, control size")
+    for rule in (accepts_drafts_too_often, forgets_the_residual):
+        with pytest.raises(AssertionError, match="chi2"):
+            assert_chi_square(emitted(rule, control), probs[0], rule.__name__)
 
 
 def test_a_draft_with_another_vocabulary_is_refused_with_failed_precondition(tmp_path, lm):

@@ -38,22 +38,6 @@ def _request(rid: str, ids: list[int], max_tokens: int, **kw) -> GenerationReque
     return GenerationRequest(rid, ids, max_tokens=max_tokens, spec=NO_SPEC, **args)
 
 
-@pytest.fixture
-def engine_factory(lm):
-    engines = []
-
-    def make(**cfg) -> Engine:
-        runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context=8192)
-        eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(**cfg))
-        eng.start()
-        engines.append(eng)
-        return eng
-
-    yield make
-    for eng in engines:
-        eng.shutdown()
-
-
 def test_staggered_joins_chunked_prefill_and_early_finishers_match_greedy(lm, chat_ids, hf_greedy, engine_factory):
     eng = engine_factory(prefill_chunk_tokens=48)  # forces chunked prefill and single-row prefills
     prompts = [chat_ids(p) for p in workload_prompts(per_category=1, max_chars=1500)][:6]
@@ -74,12 +58,12 @@ def test_cancel_mid_stream_frees_the_slot_and_others_are_unaffected(lm, chat_ids
     eng = engine_factory()
     ids = [chat_ids(p) for p in ("Count from one to fifty in words.", "Name the planets.", "Why is the sky blue?")]
     victim, others = Collector(), [Collector(), Collector()]
-    eng.submit(_request("victim", ids[0], 200, ignore_eos=True), victim)
+    key = eng.submit(_request("victim", ids[0], 200, ignore_eos=True), victim)
     for i, c in enumerate(others):
         eng.submit(_request(f"o{i}", ids[i + 1], 24), c)
     while len(victim.tokens) < 5:
         time.sleep(0.02)
-    eng.cancel("victim")
+    eng.cancel(key)
     for c in others:
         assert c.done.wait(120)
     assert not victim.done.is_set() and len(victim.tokens) < 200

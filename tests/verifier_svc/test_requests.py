@@ -118,3 +118,18 @@ def test_a_prompt_too_long_to_fit_in_any_tokenization_is_refused_before_tokenizi
     with pytest.raises(InvalidRequest, match="tokens; the model's context") as under:
         build_request(message(prompt(limits.max_prompt_bytes), None, None, chat), tokenizer, limits)
     assert under.value.field == field
+
+
+def test_request_id_is_a_bounded_printable_label_and_a_missing_one_is_made():
+    from verifier_svc.requests import MAX_REQUEST_ID_CHARS
+
+    def build(request_id: str):
+        return build_request(client_request([1, 2], None, None, False, request_id), None, LIMITS)
+
+    assert build("a" * MAX_REQUEST_ID_CHARS).request_id == "a" * MAX_REQUEST_ID_CHARS
+    for bad in ("a" * (MAX_REQUEST_ID_CHARS + 1), "x" * 2**20, "a\nb"):
+        with pytest.raises(InvalidRequest, match=f"at most {MAX_REQUEST_ID_CHARS} characters") as err:
+            build(bad)
+        assert err.value.field == "request_id" and len(str(err.value)) < 200  # the id is not echoed
+    made = {build("").request_id for _ in range(2)}
+    assert len(made) == 2 and all(len(rid) == 32 for rid in made)  # a fresh uuid each

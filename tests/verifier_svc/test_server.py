@@ -115,6 +115,39 @@ def test_unconfigured_proposer_is_failed_precondition(client):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_two_clients_with_one_request_id_do_not_cancel_each_other(lm, client, prompts, hf_greedy):
+    """The engine filed requests under the client's request_id: the second "dup" replaced the first,
+    so cancelling the first cancelled the second (which then never ended) and left the first running."""
+    cancelled_before = client.stats().server.cancelled_requests
+    victim = client.generate(prompts[0][1], _greedy(300, ignore_eos=True), request_id="dup")
+    victim_chunks = iter(victim)
+    next(victim_chunks)  # admitted and running before the second arrives
+    ids = prompts[1][1]
+    survivor = client.generate(ids, _greedy(24), request_id="dup", timeout=120)
+    chunks = iter(survivor)
+    tokens = list(next(chunks).token_ids)
+    victim.cancel()
+    tokens += [t for chunk in chunks for t in chunk.token_ids]
+    assert survivor.request_id == "dup" and survivor.summary.completion_tokens == len(tokens)
+    assert_greedy_equal(lm, ids, tokens, hf_greedy(ids, 24))
+    _wait_idle(client)  # the cancelled one is gone too
+    assert client.stats().server.cancelled_requests == cancelled_before + 1
+
+
+def test_an_oversized_request_id_is_invalid_argument(verifier, client):
+    """A 1 MB request_id was accepted and echoed in every response chunk (17.8 MB for 16 tokens)."""
+    from verifier_svc.requests import MAX_REQUEST_ID_CHARS
+
+    with grpc.insecure_channel(verifier.address) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+        request = generation_pb2.GenerateRequest(text="hi", request_id="x" * 2**20, sampling=_greedy(16).to_proto())
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("request_id") and f"at most {MAX_REQUEST_ID_CHARS}" in err.value.details()
+    assert len(client.complete("Hello", _greedy(2)).token_ids) == 2
+
+
 def test_seeded_sampling_is_reproducible_and_the_seed_matters(client, prompts):
     ids = prompts[1][1]
     a = client.complete(ids, SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=24))
@@ -247,8 +280,8 @@ def test_metrics_count_every_request_outcome_once(tmp_path, lm):
         counts = {
             status: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
-            if line.startswith('specmesh_requests_total{status="')
-            for status in [line.split('"')[1]]
+            if line.startswith("specmesh_requests_total{")  # {model="…",status="…"}
+            for status in [line.split('status="')[1].split('"')[0]]
         }
         assert counts == {"ok": 1, "invalid": 1, "rejected": 1, "cancelled": 1, "deadline_exceeded": 1, "error": 0}, (
             counts
@@ -301,12 +334,20 @@ def test_too_many_concurrent_requests_get_resource_exhausted(tmp_path, lm):
         stop_verifier(v)
 
 
-def test_sigterm_drains_the_in_flight_request_then_exits(tmp_path, lm):
-    v = start_verifier(tmp_path)
+def test_sigterm_drains_the_in_flight_request_then_cuts_what_outlives_the_grace(tmp_path, lm):
+    """SIGTERM: no new work; a request that ends within --grace finishes. One that does not is cut
+    when the grace runs out: UNAVAILABLE telling its client to retry elsewhere, one warning line for
+    the drain. (gRPC cancelling it instead gave "Cancelling all calls" and logged an ERROR
+    CancelledError traceback per stream.)"""
+    from specmesh.server.serving import RETRY_ELSEWHERE
+
+    v = start_verifier(tmp_path, "--grace", "8")
     with Client(v.address) as c:
-        stream = c.generate("Tell me a long story.", _greedy(48, ignore_eos=True), chat=True)
+        stream = c.generate("Tell me a long story.", _greedy(16, ignore_eos=True), chat=True)
+        endless = iter(c.generate("Count to one hundred.", _greedy(1500, ignore_eos=True), chat=True, timeout=120))
         it = iter(stream)
         tokens = list(next(it).token_ids)
+        next(endless)
         v.proc.send_signal(signal.SIGTERM)
         rest: list[int] = []
         drained = threading.Thread(target=lambda: rest.extend(t for ch in it for t in ch.token_ids))
@@ -315,9 +356,16 @@ def test_sigterm_drains_the_in_flight_request_then_exits(tmp_path, lm):
         with pytest.raises(grpc.RpcError) as err:  # no new work once draining
             c.complete("hi", _greedy(2))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as cut:  # ~50 more tokens in the grace, not 1500
+            for _ in endless:
+                pass
         drained.join(120)
-    assert len(tokens + rest) == 48 and stream.summary.finish_reason == "length"
+    assert len(tokens + rest) == 16 and stream.summary.finish_reason == "length"
+    assert (cut.value.code(), cut.value.details()) == (grpc.StatusCode.UNAVAILABLE, RETRY_ELSEWHERE)
     assert v.proc.wait(60) == 0
+    log = v.log()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert log.count("drain grace") == 1 and "drain grace of 8 s over: cutting 1 streams" in log, log[-3000:]
 
 
 def test_logprobs_are_the_models_distribution_as_sampling_used_it(lm, client, prompts):

@@ -14,8 +14,11 @@ from typing import ClassVar
 import grpc
 import pytest
 from support import (
+    accepts_drafts_too_often,
     assert_chi_square,
     assert_greedy_equal,
+    assert_second_tokens_chi_square,
+    forgets_the_residual,
     second_token_counts,
     start_verifier,
     stop_verifier,
@@ -45,8 +48,14 @@ def start_ngram() -> tuple[str, subprocess.Popen]:
 @pytest.fixture(scope="module")
 def spec_verifier(tmp_path_factory, lm):
     address, ngram = start_ngram()
-    # Verify every tree (no cost gating), so losslessness is exercised on every proposal.
-    v = start_verifier(tmp_path_factory.mktemp("spec"), "--proposer", f"ngram={address}", "--spec-gating", "always")
+    # Verify every tree (no cost gating), so losslessness is exercised on every proposal; wait for
+    # each step's tree (the n-gram answers in milliseconds), so every step that has one verifies it.
+    v = start_verifier(
+        tmp_path_factory.mktemp("spec"),
+        "--proposer", f"ngram={address}",
+        "--spec-gating", "always",
+        "--proposer-wait-ms", "200",
+    )  # fmt: skip
     yield v
     stop_verifier(v)
     ngram.terminate()
@@ -80,25 +89,79 @@ def test_greedy_with_ngram_is_token_identical_with_eight_concurrent_requests(lm,
         assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 24))
 
 
+# Repetitive raw prompts: after the first sampled token the n-gram proposer has matches. The short
+# one keeps the requests cheap; after the long one the target accepts deeper into the chain.
+REPETITIVE = "red green blue, red green blue, red green"
+REPETITIVE_LONG = "red green blue, red green blue, red green blue, red green blue, red green"
+
+
 def test_sampled_tokens_with_ngram_on_and_off_follow_the_target_softmax_chi_square(lm, spec_verifier):
+    """End to end through the processes: seeded 2-token requests, the second token decided by a
+    verification step of an n-gram tree (on) or a plain decode step (off), tested against the
+    target's softmax after the first token (stratified by it). The acceptance rule itself gets its
+    large-sample test, with negative controls, on tensors below; this one catches wiring (seeds,
+    counters, temperature, trees) with 500 + 200 requests."""
+    ids = lm.tokenizer.encode(REPETITIVE)
+    with Client(spec_verifier.address) as c:
+        for spec, n in ((NGRAM, 500), (SpecDecodeParams(proposer="none"), 200)):
+            pairs, drafted = second_token_counts(c, ids, spec, n, 1.0)
+            if spec is NGRAM:  # after " blue" (most first tokens) the n-gram proposes ", red green"
+                assert drafted >= n // 4, f"too few second steps verified a tree ({drafted} drafted tokens)"
+            tested = assert_second_tokens_chi_square(lm, ids, pairs, 1.0, spec.proposer)
+            assert tested >= n // 3, f"{spec.proposer}: first token too spread ({tested} of {n} tested)"
+
+
+def test_ngram_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_every_depth_chi_square(lm):
+    """The verifier's sampled acceptance, on the real model's logits for the n-gram proposer's real
+    tree (a chain), computed once and walked for 20,000 seeds: the token emitted at each depth,
+    given the drafts accepted before it, follows the target's softmax there (p = 0.001 per depth).
+    Negative controls: rules that accept drafts too often or forget the residual fail the same
+    test on 2,000 seeds."""
     import torch
 
-    # A repetitive raw prompt: after the first sampled token the n-gram proposer has matches.
-    ids = lm.tokenizer.encode("red green blue, red green blue, red green blue, red green blue, red green")
-    temperature = 1.0
+    from specmesh.server.ngram import NgramConfig, NgramIndex
+    from specmesh.server.tree import TokenTree
+    from verifier_svc.acceptance import acceptance_uniforms, sample_accept, walk_shape
+    from verifier_svc.batch_accept import accept_batch, target_probs
+    from verifier_svc.requests import GenerationRequest, SpecRequest
+
+    n = 20_000
+    ids = lm.tokenizer.encode(REPETITIVE_LONG)
     with torch.inference_mode():
-        first = torch.softmax(lm.model(torch.tensor([ids])).logits[0, -1].float() / temperature, -1)
-    mode = int(first.argmax())
-    with torch.inference_mode():
-        p = torch.softmax(lm.model(torch.tensor([[*ids, mode]])).logits[0, -1].float() / temperature, -1)
-    with Client(spec_verifier.address) as c:
-        for spec, n in ((NGRAM, 2000), (SpecDecodeParams(proposer="none"), 500)):
-            pairs, drafted = second_token_counts(c, ids, spec, n, temperature)
-            seconds = torch.tensor([b for a, b in pairs if a == mode])
-            assert len(seconds) > n // 8, "first token too spread for the conditional test"
-            if spec is NGRAM:
-                assert drafted > 0
-            assert_chi_square(seconds, p, spec.proposer)
+        context = [*ids, int(lm.model(torch.tensor([ids])).logits[0, -1].argmax())]
+    index = NgramIndex(NgramConfig())
+    index.extend(context)
+    tokens, parents = index.propose(max_depth=3)
+    assert parents == [-1, 0, 1], "premise: the proposal here is a chain"
+    tree = TokenTree(tokens, parents)
+    with torch.inference_mode():  # a chain's rows are a causal forward: after the root, node 0, 1, 2
+        logits = lm.model(torch.tensor([[*context, *tokens]])).logits[0, len(ids) :].float()
+    spec = SpecRequest(proposer="ngram", num_speculative_tokens=3, max_tree_nodes=3, workload_tag="", corpus="")
+    sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec=spec)
+    reqs = [GenerationRequest(str(s), context, seed=s, **sampled) for s in range(64)]
+    probs = target_probs(logits, reqs[:1], [len(logits)]).double()  # the same for every seed
+    u = acceptance_uniforms(torch.arange(n), torch.full((n,), len(context)), *walk_shape(tree)).numpy()
+
+    def emitted(rule, seeds: int) -> list[list[int]]:
+        walks = (rule(tree, probs, u[s]) for s in range(seeds))
+        return [[tokens[j] for j in path] + [bonus] for path, bonus in walks]
+
+    out = emitted(sample_accept, n)
+    # This walk is the engine's acceptance dispatch draw for draw (probabilities, seeds, counters).
+    k = len(reqs)
+    batch = accept_batch(reqs, [len(context)] * k, [tree] * k, logits.repeat(k, 1), [len(logits)] * k)
+    assert [[tokens[j] for j in path] + [bonus] for path, bonus in batch] == out[:k]
+
+    for depth in range(len(tokens) + 1):  # depth d: after the first d drafts were accepted
+        sample = torch.tensor([e[depth] for e in out if len(e) > depth and e[:depth] == tokens[:depth]])
+        assert len(sample) >= 1_000, f"depth {depth}: too few walks got there ({len(sample)})"
+        assert_chi_square(sample, probs[depth], f"token at depth {depth} ({len(sample)} walks)")
+
+    control = 2_000
+    assert_chi_square(torch.tensor([e[0] for e in out[:control]]), probs[0], "the right rule, control size")
+    for rule in (accepts_drafts_too_often, forgets_the_residual):
+        with pytest.raises(AssertionError, match="chi2"):
+            assert_chi_square(torch.tensor([e[0] for e in emitted(rule, control)]), probs[0], rule.__name__)
 
 
 def test_proposer_killed_mid_request_completes_with_the_same_greedy_output(tmp_path, lm, prompts, hf_greedy):

@@ -1,0 +1,56 @@
+"""The gateway's API keys (``--api-key-file``): every ``/v1/…`` request needs ``Authorization: Bearer
+<key>``, else 401 in OpenAI's error shape (the ``openai`` client raises ``AuthenticationError``).
+``/health`` and ``/metrics`` stay open for probes and scrapers.
+
+A pure ASGI middleware (not ``BaseHTTPMiddleware``): streamed responses and client disconnects
+pass through untouched. Keys are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from gateway_svc.errors import ApiError
+
+Scope = dict[str, Any]
+Asgi = Callable[[Scope, Callable, Callable], Awaitable[None]]
+
+
+def api_key_of(scope: Scope) -> bytes | None:
+    """The bearer key of a request's ``Authorization`` header (None without one)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, key = value.strip().partition(b" ")
+            return key.strip() if scheme.lower() == b"bearer" else b""
+    return None
+
+
+class ApiKeyCheck:
+    def __init__(self, app: Asgi, keys: Iterable[str]) -> None:
+        self.app = app
+        self.keys = tuple(k.encode() for k in keys if k)
+
+    def _allowed(self, key: bytes | None) -> bool:
+        found = False
+        for k in self.keys:
+            found |= key is not None and hmac.compare_digest(key, k)
+        return found
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and self.keys and scope["path"].startswith("/v1"):
+            key = api_key_of(scope)
+            if not self._allowed(key):
+                message = (
+                    "You didn't provide an API key: send 'Authorization: Bearer <key>'."
+                    if key is None
+                    else "Incorrect API key provided."
+                )
+                err = ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
+                response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,303 @@
+"""The KV memory budget: the admission rules on numbers, then the engine on the real model held to
+a small budget (a long prompt waits or is refused, running requests grow into preemption and
+still decode exactly, memory goes back after a long request) and a failing step isolated to the
+requests it concerns."""
+
+import threading
+import time
+
+import pytest
+from support import assert_greedy_equal
+
+from specmesh.server.model_runner import ModelRunner
+from verifier_svc import admission
+from verifier_svc.engine import Engine, EngineConfig
+from verifier_svc.events import ErrorEvent, FinishEvent, NeverFits, TokenEvent
+from verifier_svc.requests import GenerationRequest, SpecRequest
+
+NO_SPEC = SpecRequest("none", 0, 0, "", "")
+ROOM = EngineConfig.step_room
+
+
+def test_the_running_set_fits_only_while_rows_times_the_longest_need_is_within_budget():
+    assert admission.fits([100, 1200], 2400) and not admission.fits([100, 1200, 1], 2400)
+    assert admission.fits([10**9], None)
+
+
+def test_a_waiting_request_joins_only_with_margin_to_grow_and_alone_if_it_fits_at_all():
+    assert admission.admits([300, 300], 500, 3 * 756, margin=256)
+    assert not admission.admits([300, 300], 501, 3 * 756, margin=256)
+    assert admission.admits([], 2400, 2400, margin=256) and not admission.admits([], 2401, 2400, margin=256)
+
+
+def test_preemption_takes_the_youngest_until_the_rest_fit_and_never_the_oldest():
+    assert admission.preemptions([500, 500, 500], 1500) == 0
+    assert admission.preemptions([500, 500, 501], 1500) == 1
+    assert admission.preemptions([900, 100, 100, 100], 1500) == 3
+    assert admission.preemptions([5000, 10], 1500) == 1  # the oldest alone is always allowed
+
+
+def test_prefill_chunks_shorten_with_depth_so_their_work_stays_bounded():
+    keys = 3000.0
+    work = [
+        n * (keys + start + n / 2)
+        for start in (0, 2000, 6000, 20000)
+        for n in [admission.chunk_tokens(512, start, keys)]
+    ]
+    assert max(work) < 1.2 * work[0]  # each chunk costs about what a 512-token chunk at position 0 does
+    assert admission.chunk_tokens(512, 10**7, keys) == 16  # never stalls: a least chunk
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.error: str | None = None
+        self.finish: FinishEvent | None = None
+        self.done = threading.Event()
+
+    def __call__(self, ev) -> None:
+        if isinstance(ev, TokenEvent):
+            self.tokens += ev.token_ids
+            return
+        if isinstance(ev, ErrorEvent):
+            self.error = ev.message
+        else:
+            self.finish = ev
+        self.done.set()
+
+
+def _request(ids: list[int], max_tokens: int, **kw) -> GenerationRequest:
+    args = dict(temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(), ignore_eos=False) | kw
+    return GenerationRequest("r", ids, max_tokens=max_tokens, spec=NO_SPEC, **args)
+
+
+def _settled(eng: Engine) -> None:
+    """Every request released (the finish event is sent just before its slot is freed)."""
+    deadline = time.monotonic() + 10
+    while eng.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.in_flight() == 0
+
+
+def _long_prompt(chat_ids, words: int) -> list[int]:
+    text = " ".join(f"item{i % 97}" for i in range(words))
+    return chat_ids(f"Here is a list: {text}. Say how many items it has.")
+
+
+@pytest.mark.slow
+def test_a_long_prompt_waits_for_the_kv_budget_while_short_requests_finish_and_one_that_never_fits_is_refused(
+    lm, chat_ids, hf_greedy, engine_factory
+):
+    budget = 6000
+    eng = engine_factory(kv_budget_tokens=budget)
+    shorts = [chat_ids(p) for p in ("Name three colours.", "What is two plus two?", "Say hello in French.")]
+    long_ids = _long_prompt(chat_ids, 400)
+    assert 1000 < len(long_ids) < budget - ROOM - 8
+    with pytest.raises(NeverFits, match=f"KV budget of {budget} positions"):
+        eng.submit(_request(_long_prompt(chat_ids, 2400), 8), Collector())
+    short_out = [Collector() for _ in shorts]
+    for ids, c in zip(shorts, short_out, strict=True):
+        eng.submit(_request(ids, 24, ignore_eos=True), c)
+    long_out = Collector()
+    eng.submit(_request(long_ids, 8), long_out)  # 4 rows × (its need + margin) > budget: it waits
+    for ids, c in zip(shorts, short_out, strict=True):
+        assert c.done.wait(120) and c.error is None
+        assert_greedy_equal(lm, ids, c.tokens, hf_greedy(ids, 24))
+    assert long_out.done.wait(120) and long_out.error is None
+    assert_greedy_equal(lm, long_ids, long_out.tokens, hf_greedy(long_ids, 8))
+    assert long_out.finish.queue_ms > max(c.finish.queue_ms for c in short_out)  # it waited for room
+    cache = eng.runner.cache
+    assert cache.slot_capacity * cache.seq_capacity <= budget
+    _settled(eng)
+
+
+@pytest.mark.slow
+def test_requests_that_outgrow_the_budget_are_preempted_and_recomputed_without_changing_their_output(
+    lm, chat_ids, engine_factory
+):
+    prompts = [chat_ids("Count from one to a hundred in words."), chat_ids("Write the numbers 1 to 200.")]
+    n, margin, longest = 160, 64, max(len(p) for p in prompts)
+    # Both fit to start with; each grows to ~prompt + n tokens, and two such rows exceed the budget.
+    budget = 2 * (longest + ROOM + margin) + 8
+    assert longest + n + ROOM <= budget < 2 * (longest + n + ROOM)
+    eng, unbounded = engine_factory(kv_budget_tokens=budget, kv_margin=margin), engine_factory()
+    outs, refs = [Collector(), Collector()], [Collector(), Collector()]
+    for ids, c, ref in zip(prompts, outs, refs, strict=True):
+        eng.submit(_request(ids, n, ignore_eos=True), c)
+        unbounded.submit(_request(ids, n, ignore_eos=True), ref)
+    for ids, c, ref in zip(prompts, outs, refs, strict=True):
+        assert c.done.wait(300) and c.error is None and ref.done.wait(300)
+        assert len(c.tokens) == n
+        assert_greedy_equal(lm, ids, c.tokens, ref.tokens)
+    assert eng.stats.preempted >= 1 and unbounded.stats.preempted == 0
+    _settled(eng)
+
+
+@pytest.mark.slow
+def test_kv_memory_goes_back_after_a_long_request_ends(chat_ids, engine_factory):
+    eng = engine_factory()  # unbounded: growth follows the longest request, shrinking follows its end
+    c = Collector()
+    eng.submit(_request(_long_prompt(chat_ids, 1200), 2), c)
+    assert c.done.wait(120) and c.error is None
+    _settled(eng)
+    cache = eng.runner.cache
+    # Finished and retired: the cache is back to its smallest allocation.
+    assert (cache.slot_capacity, cache.seq_capacity) == cache.plan(1, 1)
+
+
+class FaultyRunner(ModelRunner):
+    """Fails any forward whose input holds ``poison``: a fault tied to one request's tokens."""
+
+    poison: int | None = None
+    failures = 0
+
+    def forward(self, rows, input_ids, *args, **kwargs):
+        if self.poison is not None and bool((input_ids == self.poison).any()):
+            FaultyRunner.failures += 1
+            raise RuntimeError("injected fault")
+        return super().forward(rows, input_ids, *args, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_failing_step_fails_only_the_request_it_concerns(lm, chat_ids, hf_greedy, engine_factory):
+    prompts = [chat_ids(p) for p in ("Why is the sky blue?", "Name the planets.", "Write a haiku about rain.")]
+    refs = [hf_greedy(ids, 16) for ids in prompts]
+    # A token the victim emits, which nobody else feeds before, poisons the victim's next decode step.
+    victim = 2
+    others = {t for i, (ids, ref) in enumerate(zip(prompts, refs, strict=True)) if i != victim for t in ids + ref}
+    at = next(j for j in range(2, 16) if refs[victim][j] not in {*others, *prompts[victim], *refs[victim][:j]})
+    poison = refs[victim][at]
+    eng = engine_factory(runner_class=FaultyRunner)
+    eng.runner.poison = poison
+    FaultyRunner.failures = 0
+    outs = [Collector() for _ in prompts]
+    for ids, c in zip(prompts, outs, strict=True):
+        eng.submit(_request(ids, 16, ignore_eos=True), c)
+    for i, (ids, c) in enumerate(zip(prompts, outs, strict=True)):
+        assert c.done.wait(120)
+        if i == victim:
+            assert c.error is not None and "decode step failed" in c.error
+            assert c.tokens == refs[victim][: at + 1]
+        else:
+            assert c.error is None
+            assert_greedy_equal(lm, ids, c.tokens, refs[i])
+    assert FaultyRunner.failures == 2  # the batched step, then the victim's own retry
+    # A prompt holding the poison fails its prefill alone; a request running beside it goes on.
+    bystander, poisoned = Collector(), Collector()
+    eng.submit(_request(prompts[0], 16, ignore_eos=True), bystander)
+    while not bystander.tokens:  # running: the poisoned prompt gets a prefill forward of its own
+        time.sleep(0.01)
+    eng.submit(_request([*prompts[1], poison], 4), poisoned)
+    assert poisoned.done.wait(60) and "prefill failed" in (poisoned.error or "")
+    assert bystander.done.wait(120) and bystander.error is None
+    assert len(bystander.tokens) == 16
+    assert_greedy_equal(lm, prompts[0], bystander.tokens, refs[0])
+    _settled(eng)
+
+
+class RecordingRunner(ModelRunner):
+    """Logs each forward: prefill (no ``write_pos``) or decode, its rows and its first position."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, int, int, int]] = []  # (kind, rows, width, first position)
+
+    def forward(self, rows, input_ids, positions, mask, write_pos=None):
+        kind = "prefill" if write_pos is None else "decode"
+        self.calls.append((kind, input_ids.shape[0], input_ids.shape[1], int(positions[0, 0])))
+        return super().forward(rows, input_ids, positions, mask, write_pos)
+
+
+@pytest.mark.slow
+def test_a_long_prefill_interleaves_chunks_with_the_running_requests_decode_steps(chat_ids, engine_factory):
+    eng = engine_factory(runner_class=RecordingRunner)
+    runner = eng.runner
+    short = [Collector(), Collector()]
+    for c, p in zip(short, ("Count from one to fifty.", "Name ten animals."), strict=True):
+        eng.submit(_request(chat_ids(p), 60, ignore_eos=True), c)
+    while not all(c.tokens for c in short):
+        time.sleep(0.01)
+    long_ids = _long_prompt(chat_ids, 1000)
+    start = len(runner.calls)
+    long_out = Collector()
+    eng.submit(_request(long_ids, 2), long_out)
+    assert long_out.done.wait(180) and all(c.done.wait(120) for c in short)
+    calls = runner.calls[start:]
+    chunks = [(width, pos) for kind, rows, width, pos in calls if kind == "prefill"]
+    assert sum(w for w, _ in chunks) == len(long_ids) and len(chunks) >= 5
+    for width, pos in chunks[:-1]:  # each chunk is as long as its depth allows, no longer
+        assert width == admission.chunk_tokens(512, pos, runner.keys_per_token)
+    # The short requests outlive the prefill, and a decode step of theirs follows every chunk: their
+    # next token never waits for more than one chunk (plus their own step).
+    assert all(len(c.tokens) == 60 for c in short)
+    kinds = "".join(kind[0] for kind, *_ in calls)  # "p" prefill, "d" decode
+    assert "pp" not in kinds, kinds
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.slow
+def test_a_verifier_held_to_a_small_kv_budget_refuses_what_never_fits_and_finishes_the_rest_within_memory(tmp_path, lm):
+    import grpc
+    from support import start_verifier, stop_verifier
+
+    from specmesh.client import Client
+    from specmesh.deploy import free_port
+    from specmesh.params import SamplingParams
+
+    port = free_port()
+    v = start_verifier(tmp_path, "--kv-cache-memory", "300MiB", "--max-running", "8", "--metrics-port", str(port))
+    budget_positions = 300 * 2**20 // 46080
+    assert f"KV cache budget 300 MiB = {budget_positions} positions" in v.log()
+    peak, stop = [0.0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mib(v.proc.pid))
+            time.sleep(0.05)
+
+    text = " ".join(f"item{i % 97}" for i in range(900))
+    long_ids = lm.tokenizer(text)["input_ids"]
+    assert 2500 < len(long_ids) < budget_positions // 2
+    try:
+        rss_start = _rss_mib(v.proc.pid)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        with Client(v.address) as c:
+            with pytest.raises(grpc.RpcError) as err:
+                c.complete(long_ids * 3, SamplingParams(temperature=0.0, max_tokens=4))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"KV budget of {budget_positions} positions (--kv-cache-memory)" in err.value.details()
+
+            def short(prompt: str):
+                return c.complete(prompt, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), chat=True)
+
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(4) as pool:
+                shorts = [pool.submit(short, p) for p in ("Name three colours.", "Count to ten.", "Say hi.")]
+                time.sleep(0.5)
+                long = pool.submit(c.complete, long_ids, SamplingParams(temperature=0.0, max_tokens=4))
+                assert all(len(f.result(timeout=300).token_ids) == 48 for f in shorts)
+                assert long.result(timeout=300).summary.completion_tokens == 4
+        stop.set()
+        sampler.join()
+        from urllib.request import urlopen
+
+        metrics = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        kv = {
+            line.split(" ")[0].split("{")[0]: float(line.rsplit(" ", 1)[1])  # one series each ({model=…})
+            for line in metrics.splitlines()
+            if line.startswith("specmesh_kv_cache")
+        }
+        assert kv["specmesh_kv_cache_budget_bytes"] == budget_positions * 46080  # whole positions of 300 MiB
+        assert kv["specmesh_kv_cache_bytes"] <= 300 * 2**20
+        # The cache stays within its budget; the rest is a prefill chunk's activations.
+        print(f"verifier RSS: start {rss_start:.0f} MiB, peak {peak[0]:.0f} MiB")
+        assert peak[0] - rss_start < 300 + 250, (rss_start, peak[0])
+    finally:
+        stop.set()
+        stop_verifier(v)
