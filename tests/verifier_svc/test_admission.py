@@ -248,10 +248,10 @@ def test_a_verifier_held_to_a_small_kv_budget_refuses_what_never_fits_and_finish
     from specmesh.deploy import free_port
     from specmesh.params import SamplingParams
 
-    port = free_port()
-    v = start_verifier(tmp_path, "--kv-cache-memory", "300MiB", "--max-running", "8", "--metrics-port", str(port))
     budget_positions = 300 * 2**20 // 46080
-    assert f"KV cache budget 300 MiB = {budget_positions} positions" in v.log()
+    text = " ".join(f"item{i % 97}" for i in range(900))
+    long_ids = lm.tokenizer(text)["input_ids"]
+    assert 2500 < len(long_ids) < budget_positions // 2
     peak, stop = [0.0], threading.Event()
 
     def sample() -> None:
@@ -259,10 +259,10 @@ def test_a_verifier_held_to_a_small_kv_budget_refuses_what_never_fits_and_finish
             peak[0] = max(peak[0], _rss_mib(v.proc.pid))
             time.sleep(0.05)
 
-    text = " ".join(f"item{i % 97}" for i in range(900))
-    long_ids = lm.tokenizer(text)["input_ids"]
-    assert 2500 < len(long_ids) < budget_positions // 2
+    port = free_port()
+    v = start_verifier(tmp_path, "--kv-cache-memory", "300MiB", "--max-running", "8", "--metrics-port", str(port))
     try:
+        assert f"KV cache budget 300 MiB = {budget_positions} positions" in v.log()
         rss_start = _rss_mib(v.proc.pid)
         sampler = threading.Thread(target=sample)
         sampler.start()
