@@ -1,6 +1,6 @@
-"""The gateway's API keys (``--api-key-file``): every ``/v1/…`` request needs ``Authorization: Bearer
-<key>``, else 401 in OpenAI's error shape (the ``openai`` client raises ``AuthenticationError``).
-``/health`` and ``/metrics`` stay open for probes and scrapers.
+"""The gateway's API keys (``--api-key-file``): every request needs ``Authorization: Bearer <key>``,
+else 401 in OpenAI's error shape (the ``openai`` client raises ``AuthenticationError``), but
+``/health`` and ``/metrics``, which stay open for probes and scrapers.
 
 A pure ASGI middleware (not ``BaseHTTPMiddleware``): streamed responses and client disconnects
 pass through untouched. Keys are compared in constant time.
@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from gateway_svc.errors import ApiError
 
 Scope = dict[str, Any]
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 Asgi = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
 
@@ -41,7 +42,9 @@ class ApiKeyCheck:
         return found
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and self.keys and scope["path"].startswith("/v1"):
+        # Everything but the probes' and scrapers' paths needs a key (a closed default: a route added
+        # later, or a path spelled oddly, is never open by accident).
+        if scope["type"] == "http" and self.keys and scope["path"] not in OPEN_PATHS:
             key = api_key_of(scope)
             if not self._allowed(key):
                 message = (

@@ -265,6 +265,9 @@ def test_the_gateway_answers_401_without_the_api_key_and_serves_with_it(gateway,
     r = httpx.post(f"{gateway.url}/chat/completions", json={"model": "smollm2", "messages": []}, verify=context)
     assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(gateway.url.removesuffix("/v1") + "/health", verify=context).status_code == 200  # open
+    root = gateway.url.removesuffix("/v1")
+    for path in ("/openapi.json", "/docs", "//v1/models", "/V1/models"):  # closed by default, not only /v1/…
+        assert httpx.get(root + path, verify=context).status_code == 401, path
     with _openai(gateway, pki, TOKENS["api"]) as client:
         assert [m.id for m in client.models.list().data] == ["smollm2"]
         resp = client.chat.completions.create(
