@@ -8,13 +8,13 @@ pass through untouched. Keys are compared in constant time.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from gateway_svc.errors import ApiError
+from specmesh.credentials import token_matches, token_of
 
 Scope = dict[str, Any]
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -23,11 +23,7 @@ Asgi = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
 def api_key_of(scope: Scope) -> bytes | None:
     """The bearer key of a request's ``Authorization`` header (None without one)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, key = value.strip().partition(b" ")
-            return key.strip() if scheme.lower() == b"bearer" else b""
-    return None
+    return next((token_of(value) for name, value in scope.get("headers", ()) if name == b"authorization"), None)
 
 
 class ApiKeyCheck:
@@ -35,18 +31,12 @@ class ApiKeyCheck:
         self.app = app
         self.keys = tuple(k.encode() for k in keys if k)
 
-    def _allowed(self, key: bytes | None) -> bool:
-        found = False
-        for k in self.keys:
-            found |= key is not None and hmac.compare_digest(key, k)
-        return found
-
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         # Everything but the probes' and scrapers' paths needs a key (a closed default: a route added
         # later, or a path spelled oddly, is never open by accident).
         if scope["type"] == "http" and self.keys and scope["path"] not in OPEN_PATHS:
             key = api_key_of(scope)
-            if not self._allowed(key):
+            if not token_matches(key, self.keys):
                 message = (
                     "You didn't provide an API key: send 'Authorization: Bearer <key>'."
                     if key is None

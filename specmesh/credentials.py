@@ -8,6 +8,7 @@ imports grpc only (a client-only install has it).
 from __future__ import annotations
 
 import argparse
+import hmac
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,6 +84,30 @@ def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
     ((('authorization', 'Bearer s3cret'),), ())
     """
     return ((AUTHORIZATION, f"Bearer {token}"),) if token else ()
+
+
+def token_of(header: str | bytes) -> bytes:
+    """The token of an ``Authorization`` value: ``Bearer <token>`` → the token, anything else → b"".
+
+    >>> token_of("Bearer abc "), token_of(b"bearer x"), token_of("Basic abc")
+    (b'abc', b'x', b'')
+    """
+    text = header.encode() if isinstance(header, str) else header
+    scheme, _, token = text.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
+
+
+def token_matches(token: bytes | None, known: Sequence[bytes]) -> bool:
+    """Whether ``token`` is one of ``known``, compared in constant time against every one (the time
+    taken says neither whether nor which one matched).
+
+    >>> token_matches(b"b", (b"a", b"b")), token_matches(None, (b"a",)), token_matches(b"", (b"a",))
+    (True, False, False)
+    """
+    found = False
+    for k in known:
+        found |= token is not None and hmac.compare_digest(token, k)
+    return found
 
 
 def env_token() -> str:

@@ -94,7 +94,6 @@ class Engine:
         self._running: list[Sequence] = []  # running[i].slot == i
         self._by_key: dict[int, Sequence] = {}  # every admitted request by its engine-unique key
         self._keys = itertools.count()
-        self._last_chunk: dict[int, float] = {}  # key → when its last tokens were streamed (metrics only)
         self._admitted = 0  # running + waiting + in the inbox, guarded by _lock
         self._lock = threading.Lock()
         self._accepting = True
@@ -383,9 +382,9 @@ class Engine:
         event, reason = seq.push(tokens, logprobs, self.eos_token_ids, self.max_context)
         self.stats.generated_tokens += len(event.token_ids)
         if self.metrics is not None:  # one observation per chunk: the gap since this request's last one
-            now, last = time.perf_counter(), self._last_chunk.get(seq.key)
+            now, last = time.perf_counter(), seq.last_chunk
             self.metrics.tokens(len(event.token_ids), None if last is None else now - last)
-            self._last_chunk[seq.key] = now
+            seq.last_chunk = now
         seq.sink(event)
         if reason:
             self._finish(seq, reason)
@@ -411,7 +410,6 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         self.speculation.end_session(seq)
         self._by_key.pop(seq.key, None)
-        self._last_chunk.pop(seq.key, None)
         with self._lock:
             self._admitted -= 1
 

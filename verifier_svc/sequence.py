@@ -30,6 +30,7 @@ class Sequence:
     verify_s: float = 0.0
     prefill_start: float = 0.0
     first_token: float = 0.0
+    last_chunk: float | None = None  # perf_counter of its last streamed tokens (the inter-token metric)
     spec: SpecState = field(default_factory=SpecState)
 
     @property

@@ -18,14 +18,13 @@ file may list several, one a line, all accepted (rotation). Imports grpc only.
 from __future__ import annotations
 
 import argparse
-import hmac
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 
-from specmesh.credentials import AUTHORIZATION, read_tokens
+from specmesh.credentials import AUTHORIZATION, read_tokens, token_matches, token_of
 from specmesh.server.flags import ServiceFlags
 
 log = logging.getLogger(__name__)
@@ -36,13 +35,6 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 def _tokens(tokens: Iterable[str]) -> tuple[bytes, ...]:
     return tuple(t.encode() for t in tokens if t)
-
-
-def _matches(token: bytes, known: tuple[bytes, ...]) -> bool:
-    found = False
-    for k in known:  # every one compared: the time taken does not say which matched
-        found |= hmac.compare_digest(token, k)
-    return found
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
@@ -79,9 +71,9 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         token = _bearer(metadata)
         if token is None:
             return grpc.StatusCode.UNAUTHENTICATED, "missing credentials: send 'authorization: Bearer <token>'"
-        if _matches(token, needed):
+        if token_matches(token, needed):
             return None
-        if admin_only and _matches(token, self.client):
+        if admin_only and token_matches(token, self.client):
             return grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the admin token"
         return grpc.StatusCode.UNAUTHENTICATED, "invalid token"
 
@@ -105,12 +97,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
 
 def _bearer(metadata: Iterable[tuple[str, Any]] | None) -> bytes | None:
-    for key, value in metadata or ():
-        if key == AUTHORIZATION:
-            text = value.decode() if isinstance(value, bytes) else str(value)
-            scheme, _, token = text.strip().partition(" ")
-            return token.strip().encode() if scheme.lower() == "bearer" and token.strip() else b""
-    return None
+    """The call's bearer token (b"" for another scheme), None without an ``authorization`` entry."""
+    return next((token_of(value) for key, value in metadata or () if key == AUTHORIZATION), None)
 
 
 def add_auth_token_flag(flags: ServiceFlags, who: str) -> None:
