@@ -20,8 +20,7 @@ from specmesh.credentials import channel as open_channel
 from specmesh.server.auth import TokenAuth
 from specmesh.server.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
 from specmesh.server.model_loading import tokenizer_hash
-from specmesh.server.serving import new_server, serve
-from specmesh.server.tls import listen
+from specmesh.server.serving import new_server, serve, start_port
 from specmesh.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -487,20 +486,13 @@ def verifier_auth(config: VerifierConfig) -> TokenAuth | None:
 
 async def start_admin_server(admin: AdminServicer, config: VerifierConfig, auth: TokenAuth | None) -> grpc.aio.Server:
     """AdminService (and health, reflection when on) on ``config.admin_address``, with the same TLS and tokens."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from grpc_health.v1._async import HealthServicer
-    from grpc_reflection.v1alpha import reflection
+    from grpc_health.v1 import health_pb2
 
     server = new_server(auth)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    if config.security.reflection:
-        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection([ADMIN_SERVICE, health_name, reflection.SERVICE_NAME], server)
-    if listen(server, config.admin_address, config.security.tls) == 0:
-        raise RuntimeError(f"cannot listen on {config.admin_address}")
-    await server.start()
+    health, _ = await start_port(
+        server, config.admin_address, [ADMIN_SERVICE], config.security.tls, config.security.reflection
+    )
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await health.set(ADMIN_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     print(f"verifier admin on {config.admin_address} ({config.security.tls.describe})", flush=True)

@@ -172,15 +172,7 @@ async def serve(
     Response streams still open then (a server from ``new_server``) end with UNAVAILABLE and
     ``RETRY_ELSEWHERE``, with one warning line for all of them.
     """
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    if reflection_on:
-        names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, server)
-    port = listen(server, address, tls)
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {address}")
-    await server.start()
+    health, port = await start_port(server, address, service_names, tls, reflection_on)
     health_only = await _health_only(health, address, health_port) if health_port else None
     for name in ("", *service_names):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -216,6 +208,28 @@ async def serve(
         await health_only.stop(0)
     if exporter is not None:
         exporter.close()
+
+
+async def start_port(
+    server: grpc.aio.Server,
+    address: str,
+    service_names: Sequence[str],
+    tls: TlsConfig | None,
+    reflection_on: bool,
+) -> tuple[HealthServicer, int]:
+    """Add health (and reflection listing ``service_names``) to ``server``, listen on ``address``
+    (TLS when ``tls`` has a certificate) and start it: its health servicer and port. The caller sets
+    the services SERVING once it is ready for them."""
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if reflection_on:
+        names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, server)
+    port = listen(server, address, tls)
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {address}")
+    await server.start()
+    return health, port
 
 
 async def _health_only(health: HealthServicer, address: str, port: int) -> grpc.aio.Server:
