@@ -10,6 +10,7 @@ and the verifier frees their slots.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -26,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway_svc.auth import ApiKeyCheck
+from gateway_svc.auth import ApiKeyCheck, tenant_scope
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import ApiError, from_grpc
 from gateway_svc.metrics import GatewayMetrics
@@ -286,26 +287,34 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
         return {"id": info.name, "object": "model", "created": info.created, "owned_by": "specmesh"}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         body.check(config.max_n)
         info = await gw.check_model(body.model)
         params = {"max_tokens_param": body.max_tokens_param, "logprobs_param": "top_logprobs"}
-        return await _generate(body, info, [body.chat()], True, params, "chat")
+        return await _generate(body, info, [body.chat()], True, params, "chat", _spec(body, request))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         body.check(config.max_n)
         info = await gw.check_model(body.model)
         params = {"max_tokens_param": "max_tokens", "logprobs_param": "logprobs"}
-        return await _generate(body, info, body.prompts(), False, params, "completions")
+        return await _generate(body, info, body.prompts(), False, params, "completions", _spec(body, request))
 
-    async def _generate(body, info: ModelInfo, prompts: list[Prompt], chat: bool, params: dict, kind: str) -> Response:
+    def _spec(body, request: Request) -> SpecDecodeParams:
+        """The request's SpecDecodeParams; with API keys, its cache scope inside its key's tenant."""
+        spec = body.spec()
+        tenant = getattr(request.state, "tenant", None)
+        return dataclasses.replace(spec, cache_scope=tenant_scope(tenant, spec.cache_scope))
+
+    async def _generate(
+        body, info: ModelInfo, prompts: list[Prompt], chat: bool, params: dict, kind: str, spec: SpecDecodeParams
+    ) -> Response:
         endpoint = f"/v1/{'chat/' if chat else ''}completions"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
         m.in_flight.inc()
         try:
-            choices = await gw.open(prompts, chat, body.n, body.sampling_for, body.spec(), rid, params)
+            choices = await gw.open(prompts, chat, body.n, body.sampling_for, spec, rid, params)
         except BaseException:
             m.in_flight.dec()
             raise

@@ -2,12 +2,17 @@
 else 401 in OpenAI's error shape (the ``openai`` client raises ``AuthenticationError``), but
 ``/health`` and ``/metrics``, which stay open for probes and scrapers.
 
+Each key is a tenant: its requests' ``cache_scope`` is prefixed with a digest of the key
+(``tenant_scope``), so caches that learn from outputs (the suffix proposer) never propose one
+key's text to another, whatever scope a client names.
+
 A pure ASGI middleware (not ``BaseHTTPMiddleware``): streamed responses and client disconnects
 pass through untouched. Keys are compared in constant time.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -24,6 +29,24 @@ Asgi = Callable[[Scope, Callable, Callable], Awaitable[None]]
 def api_key_of(scope: Scope) -> bytes | None:
     """The bearer key of a request's ``Authorization`` header (None without one)."""
     return next((token_of(value) for name, value in scope.get("headers", ()) if name == b"authorization"), None)
+
+
+def tenant_of(key: bytes) -> str:
+    """A key's tenant name: stable across gateway replicas and restarts, and not the key.
+
+    >>> tenant_of(b"sk-a") == tenant_of(b"sk-a") != tenant_of(b"sk-b"), len(tenant_of(b"sk-a"))
+    (True, 16)
+    """
+    return hashlib.sha256(b"specmesh-tenant:" + key).hexdigest()[:16]
+
+
+def tenant_scope(tenant: str | None, scope: str) -> str:
+    """The ``cache_scope`` a request of ``tenant`` runs in (no keys configured: the client's own).
+
+    >>> tenant_scope("ab12", "chat"), tenant_scope("ab12", ""), tenant_scope(None, "chat")
+    ('ab12/chat', 'ab12/', 'chat')
+    """
+    return scope if tenant is None else f"{tenant}/{scope}"
 
 
 class ApiKeyCheck:
@@ -46,4 +69,5 @@ class ApiKeyCheck:
                 response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
+            scope.setdefault("state", {})["tenant"] = tenant_of(key)  # request.state.tenant
         await self.app(scope, receive, send)

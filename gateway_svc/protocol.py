@@ -35,6 +35,7 @@ class SpecDecode(_Body):
     max_tree_nodes: int = 0
     workload_tag: str = ""
     corpus: str = ""
+    cache_scope: str = ""
 
     def to_params(self) -> SpecDecodeParams:
         return SpecDecodeParams(
@@ -43,6 +44,7 @@ class SpecDecode(_Body):
             max_tree_nodes=self.max_tree_nodes,
             workload_tag=self.workload_tag,
             corpus=self.corpus,
+            cache_scope=self.cache_scope,
         )
 
 

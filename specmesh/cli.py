@@ -55,6 +55,7 @@ DEMO_CONCURRENT_PROMPTS = [
 SERVICES = {
     "verifier": "verifier_svc.server",
     "ngram": "proposer_svc.server",
+    "suffix": "proposer_svc.suffix_server",
     "draft": "proposer_svc.draft_server",
     "rag": "proposer_svc.rag_server",
     "gateway": "gateway_svc.server",
@@ -92,6 +93,7 @@ def _deployment(args: argparse.Namespace):
         verifier_threads=args.threads,
         redis_url=args.redis_url,
         rag_address=args.rag,
+        suffix_address=args.suffix,
         draft_address=args.draft,
         draft_model=args.draft_model,
         gateway_address=args.gateway,
@@ -347,6 +349,12 @@ def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rag", default="", metavar="ADDRESS", help="also start the rag proposer here (e.g. 127.0.0.1:50063)"
     )
+    p.add_argument(
+        "--suffix",
+        default="127.0.0.1:50064",
+        metavar="ADDRESS",
+        help="the suffix proposer (learns from every output) listens here; '' = not started",
+    )
     p.add_argument("--draft", default="", metavar="ADDRESS", help="also start a draft-model proposer here")
     p.add_argument("--draft-model", default=None, help="the draft's HF folder (default: the target model)")
     p.add_argument(
@@ -404,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--target", default=DEFAULT_ADDRESS, help="verifier host:port")
     gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
-    gen.add_argument("--proposer", default="auto", help="auto, none, ngram, draft, rag")
+    gen.add_argument("--proposer", default="auto", help="auto, none, ngram, suffix, draft, rag")
     gen.add_argument("--num-speculative-tokens", type=int, default=0)
     _add_sampling_flags(gen)
     add_client_flags(gen)

@@ -76,6 +76,8 @@ class DeploymentConfig:
     verifier_address: str = "127.0.0.1:50051"
     verifier_threads: int = 0
     ngram_address: str = "127.0.0.1:50061"  # "" = no n-gram proposer
+    suffix_address: str = "127.0.0.1:50064"  # the suffix proposer (learns from every output); "" = none
+    suffix_args: tuple[str, ...] = ()  # more `specmesh serve suffix` flags
     rag_address: str = ""  # e.g. 127.0.0.1:50063; "" = no rag proposer
     rag_data_dir: Path | None = None  # None = $SPECMESH_RAG_DATA_DIR or <cache>/rag
     draft_address: str = ""  # e.g. 127.0.0.1:50062; "" = no draft proposer
@@ -129,6 +131,11 @@ class LocalDeployment:
                 Service("ngram", config.ngram_address, [*serve, "ngram", "--address", config.ngram_address, *tier])
             )
             verifier_args += ["--proposer", f"ngram={config.ngram_address}"]
+        if config.suffix_address:
+            suffix = [*serve, "suffix", "--address", config.suffix_address, *tier, *config.suffix_args]
+            suffix += ["--redis-url", config.redis_url] if config.redis_url else []  # replicas share outputs
+            proposers.append(Service("suffix", config.suffix_address, suffix))
+            verifier_args += ["--proposer", f"suffix={config.suffix_address}"]
         if config.rag_address:
             rag = [*serve, "rag", "--address", config.rag_address, *tier]
             rag += ["--model", config.model] if config.model else []

@@ -40,11 +40,12 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpecDecodeParams:
-    proposer: str = "auto"  # "auto" | "none" | "ngram" | "draft" | "rag"
+    proposer: str = "auto"  # "auto" | "none" | "ngram" | "suffix" | "draft" | "rag"
     num_speculative_tokens: int = 0  # 0 = the router decides
     max_tree_nodes: int = 0  # 0 = the server default
     workload_tag: str = ""
     corpus: str = ""
+    cache_scope: str = ""  # suffix-cache partition: proposals only from this scope's past outputs
 
     def to_proto(self) -> params_pb2.SpecDecodeParams:
         return params_pb2.SpecDecodeParams(
@@ -53,6 +54,7 @@ class SpecDecodeParams:
             max_tree_nodes=self.max_tree_nodes,
             workload_tag=self.workload_tag,
             corpus=self.corpus,
+            cache_scope=self.cache_scope,
         )
 
 

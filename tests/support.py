@@ -280,3 +280,21 @@ async def served_proposer(servicer) -> AsyncIterator:
             yield proposer_pb2_grpc.ProposerServiceStub(channel)
     finally:
         await server.stop(None)
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on a service's /metrics whose labels include ``labels`` (0: none)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
+        if (
+            m
+            and m.group(1) == name
+            and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")).items()
+        ):
+            total += float(m.group(3))
+    return total

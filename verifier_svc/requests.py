@@ -19,10 +19,11 @@ from specmesh_router.policy import PolicyLimits
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_TAG_CHARS = 64
+MAX_SCOPE_CHARS = 128  # a cache_scope: room for the gateway's 17-character tenant prefix
 # The client's request_id is a label only (echoed in every response chunk, logged; the engine files
 # requests under keys of its own): a longer one is refused, as one that would not print on one line.
 MAX_REQUEST_ID_CHARS = 256
-BUILTIN_PROPOSERS = ("ngram", "draft", "rag")
+BUILTIN_PROPOSERS = ("ngram", "suffix", "draft", "rag")
 
 
 class InvalidRequest(ValueError):
@@ -42,6 +43,7 @@ class SpecRequest:
     max_tree_nodes: int  # 0 = server default
     workload_tag: str
     corpus: str
+    cache_scope: str = ""  # partition of the proposers' learned caches (suffix)
 
     @property
     def unservable(self) -> tuple[str, ...]:
@@ -228,4 +230,8 @@ def _spec(msg: generation_pb2.GenerateRequest, limits: RequestLimits) -> SpecReq
         raise InvalidRequest(
             "spec_decode.corpus", f"must be printable and at most {MAX_TAG_CHARS} characters (a corpus name)"
         )
-    return SpecRequest(name, p.num_speculative_tokens, p.max_tree_nodes, p.workload_tag, p.corpus)
+    if len(p.cache_scope) > MAX_SCOPE_CHARS or not p.cache_scope.isprintable():
+        raise InvalidRequest(
+            "spec_decode.cache_scope", f"must be printable and at most {MAX_SCOPE_CHARS} characters (a cache partition)"
+        )
+    return SpecRequest(name, p.num_speculative_tokens, p.max_tree_nodes, p.workload_tag, p.corpus, p.cache_scope)

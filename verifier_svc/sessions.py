@@ -74,6 +74,7 @@ class SessionOpener:
             target_model=self.model_name,
             workload_tag=req.spec.workload_tag,
             corpus=req.spec.corpus,
+            cache_scope=req.spec.cache_scope,
         )
         stub = self.tiers.stubs[proposer]
         session = GrpcProposerSession(

@@ -3,6 +3,8 @@
     specmesh bench --limit 2 --max-tokens 64 --concurrency 1,8
     specmesh bench --target 10.0.0.5:50051 --modes plain,ngram,auto --categories code_edit,rag
     specmesh bench --target http://10.0.0.5:8000/v1 --also-grpc 10.0.0.5:50051 --modes plain,ngram
+    specmesh bench --mix --modes plain,ngram,suffix,auto --concurrency 1,8 --limit 20 \
+        --workload workloads/specbench_dev_measured.jsonl --warmup-workload workloads/specbench_dev_warmup.jsonl
 
 Writes ``records.jsonl`` (one line per request), ``summary.md`` and PNG plots to ``--out``;
 exits 1 when any greedy output differs from plain decoding (a losslessness failure).
@@ -27,9 +29,11 @@ import grpc
 
 from specmesh.bench.http_target import HttpTarget, is_http
 from specmesh.bench.report import (
+    COMPARED,
     gateway_vs_grpc,
     losslessness_failures,
     markdown,
+    mode_ratios,
     pipeline_overhead,
     plots,
     primary,
@@ -38,6 +42,7 @@ from specmesh.bench.report import (
 from specmesh.bench.runner import (
     ALL_MODES,
     HF_MODES,
+    LEARNING_MODES,
     SERVICE_MODES,
     BenchRunner,
     GrpcTarget,
@@ -46,11 +51,11 @@ from specmesh.bench.runner import (
     Target,
     spec_for,
 )
-from specmesh.bench.workload import DEFAULT_WORKLOAD, BenchPrompt, load_prompts
+from specmesh.bench.workload import DEFAULT_WORKLOAD, BenchPrompt, load_prompts, second_turns, warmup_conflicts
 from specmesh.client import Client
 from specmesh.params import SamplingParams
 
-DEFAULT_MODES = "plain,ngram,ngram-local,auto,oracle,hf-greedy,hf-pld"
+DEFAULT_MODES = "plain,ngram,ngram-local,suffix,auto,oracle,hf-greedy,hf-pld"
 # Proposers the local deployment adds for the benchmark itself; `auto` never picks them.
 BENCH_ONLY = ("ngram-local", "oracle")
 
@@ -89,7 +94,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list of {', '.join(ALL_MODES)}")
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="Spec-Bench-shaped JSONL")
     p.add_argument("--categories", default="", help="comma list; default: every category in the workload")
-    p.add_argument("--limit", type=int, default=2, help="prompts per category")
+    p.add_argument("--limit", type=int, default=2, help="prompts (rows) per category")
+    p.add_argument(
+        "--turns",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="2: a multi-turn row (mt_bench) also gives its second turn as a prompt of its own (row id <id>#2), "
+        "the chat [turn 1, the model's own greedy answer to turn 1 (generated once through the deployment before "
+        "timing, plain decoding, --max-tokens), turn 2], run after every first turn; 1: first turns only",
+    )
+    p.add_argument(
+        "--warmup-workload",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="JSONL of other prompts (e.g. workloads/specbench_dev_warmup.jsonl, measuring "
+        "workloads/specbench_dev_measured.jsonl) that warm the caches learning from past outputs: each measured "
+        "run (mode, sampling, concurrency) of a mode that learns (suffix, auto) has a cache scope of its own, and "
+        "these prompts' first turns go through it first: untimed, not recorded, greedy, --max-tokens, at the "
+        "highest --concurrency. Modes that learn nothing (plain, ngram, ngram-local, draft, rag, oracle, hf-*) get "
+        "no warm-up. Same --categories. Refused if it shares a row id or a prompt text with the measured prompts",
+    )
+    p.add_argument(
+        "--warmup-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="warm-up prompts (rows) per category, the first N of each as --limit (default: every row)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1", help="comma list of concurrent streams, e.g. 1,8,32")
     p.add_argument("--mix", action="store_true", help="at concurrency > 1, waves mix all categories")
@@ -142,6 +175,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--also-grpc compares an HTTP --target (http[s]://…/v1) with gRPC; give one")
     if a.served_model and not is_http(a.target):
         p.error("--served-model is for an HTTP --target")
+    if a.warmup_limit is not None and a.warmup_workload is None:
+        p.error("--warmup-limit needs --warmup-workload")
+    if a.warmup_limit is not None and a.warmup_limit < 1:
+        p.error("--warmup-limit must be at least 1")
     return a
 
 
@@ -235,11 +272,22 @@ def main(argv: list[str] | None = None) -> None:
     model_path = resolve_model_path(a.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    def encode(text: str) -> list[int]:
-        msgs = [{"role": "user", "content": text}]
+    def encode_chat(msgs: list[dict[str, str]]) -> list[int]:
         return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
 
-    prompts = load_prompts(a.workload, _csv(a.categories) or None, a.limit, encode)
+    def encode(text: str) -> list[int]:
+        return encode_chat([{"role": "user", "content": text}])
+
+    categories = _csv(a.categories) or None
+    try:
+        prompts = load_prompts(a.workload, categories, a.limit, encode)
+        warmup = load_prompts(a.warmup_workload, categories, a.warmup_limit, encode) if a.warmup_workload else []
+    except ValueError as exc:
+        _fail(str(exc))
+    if warmup and (why := warmup_conflicts(warmup, prompts)):
+        _fail(f"--warmup-workload {a.warmup_workload}: {why}; warm up on other prompts (workloads/README.md)")
+    if a.warmup_workload and not any(m in LEARNING_MODES for m in modes):
+        print(f"bench: no mode of {a.modes} learns from outputs; the warm-up is not sent", file=sys.stderr)
     config = RunConfig(
         modes=tuple(modes),
         concurrency=tuple(int(c) for c in _csv(a.concurrency)),
@@ -265,8 +313,10 @@ def main(argv: list[str] | None = None) -> None:
 
             oracle = stack.enter_context(OracleServer())
             ngram = f"127.0.0.1:{free_port()}"
+            suffix = f"127.0.0.1:{free_port()}" if any(m in ("suffix", "auto") for m in modes) else ""
             extra = ["--proposer", "ngram-local=inprocess:ngram", "--proposer", f"oracle={oracle.address}"]
-            auto = ",".join(["ngram", *(["rag"] if a.rag else []), *(["draft"] if a.draft_model else [])])
+            tiers = {"suffix": suffix, "rag": a.rag, "draft": a.draft_model}  # what `auto` may pick besides ngram
+            auto = ",".join(["ngram", *(name for name, started in tiers.items() if started)])
             extra += ["--auto-proposers", auto, *a.verifier_arg]
             run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specmesh-bench-")))
             dep = LocalDeployment(
@@ -275,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
                     verifier_address=f"127.0.0.1:{free_port()}",
                     verifier_threads=a.threads,
                     ngram_address=ngram,
+                    suffix_address=suffix,
                     rag_address=f"127.0.0.1:{free_port()}" if a.rag else "",
                     rag_data_dir=run_dir / "rag" if a.rag else None,
                     draft_address=f"127.0.0.1:{free_port()}" if a.draft_model else "",
@@ -304,7 +355,23 @@ def main(argv: list[str] | None = None) -> None:
             targets.append(GrpcTarget(client, spread=http))  # with HTTP: ITL estimated alike, for the comparison
             server = client.stats().server
         config = RunConfig(**{**asdict(config), "modes": tuple(modes), "corpus": a.corpus})
-        hf = HfReference(str(model_path), a.threads) if any(m in HF_MODES for m in modes) else None
+        from tqdm import tqdm  # with transformers ([serve]) and openai ([bench]); on stderr
+
+        set_oracle = oracle.servicer.set_continuation if oracle else None
+        runner = BenchRunner(
+            config,
+            targets,
+            None,
+            set_oracle,
+            a.corrupt or None,
+            warmup=warmup if any(m in LEARNING_MODES for m in modes) else (),
+            log=lambda line: tqdm.write(line, file=sys.stderr),
+        )
+        if a.turns > 1:  # before the hf-* model loads: the answers come from the deployment
+            prompts += second_turns(prompts, runner.first_answers(prompts), encode_chat)
+            if http_target is not None:
+                _check_length(http_target, prompts, a.max_tokens)
+        runner.hf = HfReference(str(model_path), a.threads) if any(m in HF_MODES for m in modes) else None
         meta = {
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "model": http_target.model if http_target else server.model,
@@ -317,13 +384,15 @@ def main(argv: list[str] | None = None) -> None:
             "max_tokens": a.max_tokens,
             "limit": a.limit,
             "workload": str(a.workload),
+            "turns": a.turns,
+            "cache_scope_token": runner.run_token,
+            "warmup_workload": str(a.warmup_workload) if runner.warmup else "",
+            "warmup_limit": a.warmup_limit,
+            "warmup_prompts": len(runner.warmup),
+            "warmup_scopes": runner.scopes() if runner.warmup else [],
         }
         if http_target is not None:
             meta.update(target=a.target, http_server=http_target.owned_by, also_grpc=a.also_grpc)
-        set_oracle = oracle.servicer.set_continuation if oracle else None
-        runner = BenchRunner(config, targets, hf, set_oracle, a.corrupt or None)
-        from tqdm import tqdm  # with transformers ([serve]) and openai ([bench]); on stderr
-
         records = []
         with (
             (out_dir / "records.jsonl").open("w") as f,
@@ -341,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(main_records)
     failures = losslessness_failures(records)
     transports = gateway_vs_grpc(records)
-    text = markdown(rows, meta, pipeline_overhead(main_records), failures, transports)
+    ratios = {(x, y): mode_ratios(main_records, x, y) for x, y in COMPARED}
+    text = markdown(rows, meta, pipeline_overhead(main_records), failures, transports, ratios)
     (out_dir / "summary.md").write_text(text)
     (out_dir / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     written = ["records.jsonl", "summary.md", "summary.json"]
@@ -366,11 +436,15 @@ def _http_target(a: argparse.Namespace, modes: list[str], prompts: list[BenchPro
         _fail(f"cannot list the models of {a.target}: {exc}")
     if why := check_http_target(target, modes, a.also_grpc):
         _fail(why)
-    longest = max(len(p.token_ids) for p in prompts)
-    if target.max_model_len and longest + a.max_tokens > target.max_model_len:
-        _fail(f"a prompt of {longest} tokens + --max-tokens {a.max_tokens} exceeds {target.model}'s max_model_len")
+    _check_length(target, prompts, a.max_tokens)
     print(f"bench: {a.target} serves {target.model} (owned_by {target.owned_by or '?'})", file=sys.stderr)
     return target
+
+
+def _check_length(target: HttpTarget, prompts: list[BenchPrompt], max_tokens: int) -> None:
+    longest = max(len(p.token_ids) for p in prompts)
+    if target.max_model_len and longest + max_tokens > target.max_model_len:
+        _fail(f"a prompt of {longest} tokens + --max-tokens {max_tokens} exceeds {target.model}'s max_model_len")
 
 
 def ingest_workload_passages(workload: Path, rag_address: str, corpus: str, tmp: Path) -> None:

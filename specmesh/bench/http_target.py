@@ -142,14 +142,21 @@ class HttpTarget:
         )
 
     def request(
-        self, prompt: BenchPrompt, mode: str, sampling: SamplingParams, corpus: str, tag: bool = False
+        self,
+        prompt: BenchPrompt,
+        mode: str,
+        sampling: SamplingParams,
+        corpus: str,
+        tag: bool = False,
+        scope: str = "",
     ) -> dict[str, Any]:
         """One streamed completion; the record of ``SseTally.record`` plus ``server`` (the owner)."""
         kw: dict[str, Any] = {}
         if sampling.seed is not None:
             kw["seed"] = sampling.seed
         if self.specmesh:
-            kw["extra_body"] = {"spec_decode": asdict(spec_for(mode, corpus, prompt.category if tag else ""))}
+            spec = spec_for(mode, corpus, prompt.category if tag else "", scope)
+            kw["extra_body"] = {"spec_decode": asdict(spec)}
         elif mode != "plain":
             raise ValueError(f"mode {mode} needs a SpecMesh server; {self.owned_by or 'this server'} serves only plain")
         t0 = time.perf_counter()

@@ -3,7 +3,8 @@
 Speed-ups are paired: a mode's tokens/s on a prompt (or a wave, at concurrency > 1) divided by
 ``plain``'s on the same prompt (wave) of the same run, then the median over the category's
 prompts; the overall figure is the geometric mean over categories. ``hf-pld`` counts as its best
-lookup length per category. Efficiency = a mode's speed-up ÷ the oracle's.
+lookup length per category. Efficiency = a mode's speed-up ÷ the oracle's. ``mode_ratios`` pairs
+two modes directly the same way (suffix vs n-gram).
 
 A run against an HTTP target with ``--also-grpc`` holds records of both transports: the tables
 describe the target (``primary``), and ``gateway_vs_grpc`` sets each mode's two transports side by
@@ -266,6 +267,67 @@ def pipeline_overhead(records: list[dict]) -> dict[tuple[str, int], float]:
     return out
 
 
+def mode_ratios(records: list[dict], a: str, b: str) -> dict[tuple[str, int], dict[str, float]]:
+    """Mode ``a``'s tokens/s over mode ``b``'s, paired as speed-ups are, per (sampling,
+    concurrency) run where both ran: per category (the median of per-prompt ratios at 1 stream,
+    of per-wave aggregates beyond), ``OVERALL`` (the geometric mean over categories, or the "mix"
+    waves' own ratio when waves mix categories) and, for categories with second turns, "<cat>
+    turn 2" (those prompts only). In mixed waves a category's ratio pairs its requests one by one
+    (same wave and slot) by their own tokens/s.
+
+    >>> def r(mode, cat, i, tps, turn=1):
+    ...     return {"mode": mode, "category": cat, "prompt_index": i, "sampling": "greedy", "concurrency": 1,
+    ...             "wave": i, "tokens_per_s": tps, "turn": turn}
+    >>> rs = [r("ngram", "qa", 0, 10.0), r("suffix", "qa", 0, 25.0), r("ngram", "mt", 0, 10.0),
+    ...       r("suffix", "mt", 0, 10.0), r("ngram", "mt", 1, 10.0, 2), r("suffix", "mt", 1, 40.0, 2)]
+    >>> {k: round(v, 3) for k, v in mode_ratios(rs, "suffix", "ngram")[("greedy", 1)].items()}
+    {'overall': 2.5, 'qa': 2.5, 'mt': 2.5, 'mt turn 2': 4.0}
+    """
+    out = {}
+    for sampling, c in sorted({(r["sampling"], r["concurrency"]) for r in records}):
+        run = [r for r in records if r["sampling"] == sampling and r["concurrency"] == c]
+        ra, rb = [r for r in run if r["mode"] == a], [r for r in run if r["mode"] == b]
+        if not ra or not rb:
+            continue
+
+        def ratio(keep, per_request: bool, ra: list[dict] = ra, rb: list[dict] = rb) -> float | None:
+            xa, xb = [r for r in ra if keep(r)], [r for r in rb if keep(r)]
+            if per_request:
+                return _paired_ratio(_requests(xa), _requests(xb))
+            return _paired_ratio(_throughput(xa), _throughput(xb))
+
+        group = {g: ratio(lambda r, g=g: r.get("group", r["category"]) == g, False) for g in _groups(ra)}
+        cats = {}
+        for cat in dict.fromkeys(r["category"] for r in ra):
+            cats[cat] = group[cat] if cat in group else ratio(lambda r, cat=cat: r["category"] == cat, True)
+            if any(r.get("turn", 1) > 1 and r["category"] == cat for r in ra):
+                cats[f"{cat} turn 2"] = ratio(lambda r, cat=cat: r["category"] == cat and r.get("turn", 1) > 1, True)
+        overall = [v for v in group.values() if v is not None]
+        ratios = {OVERALL: geomean(overall) if overall else None, **cats}
+        out[(sampling, c)] = {k: v for k, v in ratios.items() if v is not None}
+    return out
+
+
+def _groups(rs: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r.get("group", r["category"]) for r in rs))
+
+
+def _requests(rs: list[dict]) -> dict[tuple, float]:
+    """Each request's own tokens/s, keyed by its prompt, wave and slot."""
+    return {(r["prompt_index"], r["wave"], r.get("slot", 0)): r["tokens_per_s"] for r in rs}
+
+
+def ratio_line(name: str, ratios: dict[str, float]) -> str:
+    """One line of ``mode_ratios``' figures for a run.
+
+    >>> ratio_line("suffix vs ngram", {"overall": 1.234, "code": 1.5, "mt_bench turn 2": 2.0})
+    'suffix vs ngram (tokens/s, paired): **1.23x** overall; code 1.50x, mt_bench turn 2 2.00x'
+    """
+    rest = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items() if k != OVERALL)
+    head = f"**{ratios[OVERALL]:.2f}x** overall" if OVERALL in ratios else "overall –"
+    return f"{name} (tokens/s, paired): {head}" + (f"; {rest}" if rest else "")
+
+
 def losslessness_failures(records: list[dict]) -> list[str]:
     """One line per greedy output that differs from plain's (from gRPC's plain, for the gateway's plain)."""
     return [
@@ -281,9 +343,19 @@ def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if v is None else f"{v:{spec}}{suffix}"
 
 
+# (a, b): "a vs b" ratio lines in the summary wherever both modes ran
+COMPARED = (("suffix", "ngram"),)
+
+
 def markdown(
-    rows: list[Row], meta: dict, overhead: dict, failures: list[str], transports: list[TransportRow] | None = None
+    rows: list[Row],
+    meta: dict,
+    overhead: dict,
+    failures: list[str],
+    transports: list[TransportRow] | None = None,
+    ratios: dict[tuple[str, str], dict[tuple[str, int], dict[str, float]]] | None = None,
 ) -> str:
+    """``ratios``: (a, b) → ``mode_ratios(records, a, b)``, one line per run after its tables."""
     if meta.get("target", "").startswith(("http://", "https://")):  # the bench runs here, the server elsewhere
         served = f"server: {meta.get('model')} at {meta['target']} (owned_by {meta.get('http_server') or '?'})"
         served += f", verifier {meta['dtype']} on {meta['device']}" if meta.get("device") else ""
@@ -301,6 +373,7 @@ def markdown(
         "tokens/s: end to end per request (prefill included), median; at concurrency > 1 the aggregate of a wave. "
         "Speed-up: paired with plain on the same prompt in the same run, median; overall = geometric mean "
         "over categories.",
+        *_setup_lines(meta),
         "",
     ]
     if failures:
@@ -350,10 +423,40 @@ def markdown(
                 f"Pipeline overhead (n-gram through its gRPC service vs the same algorithm in the verifier, "
                 f"paired): {overhead[(sampling, c)]:+.1%}",
             ]
+        for (a, b), by_run in (ratios or {}).items():
+            if (sampling, c) in by_run:
+                lines += ["", ratio_line(f"{a} vs {b}", by_run[(sampling, c)])]
         lines.append("")
     if transports:
         lines += transport_markdown(transports)
     return "\n".join(lines)
+
+
+def _setup_lines(meta: dict) -> list[str]:
+    """The warm-up and the turns, where the run had them.
+
+    >>> warm, turns = _setup_lines({"warmup_workload": "w.jsonl", "warmup_limit": 2, "warmup_prompts": 16,
+    ...                             "warmup_scopes": ["bench-1-suffix-greedy-c1"], "turns": 2})
+    >>> warm[:47], "`bench-1-suffix-greedy-c1`" in warm, turns[:28]
+    ('Warm-up: 16 prompts of w.jsonl (2 per category)', True, 'Multi-turn rows (mt_bench) g')
+    """
+    lines = []
+    if meta.get("warmup_workload"):
+        limit = meta.get("warmup_limit")
+        scopes = meta.get("warmup_scopes") or []
+        lines.append(
+            f"Warm-up: {meta.get('warmup_prompts')} prompts of {meta['warmup_workload']} "
+            f"({'all' if limit is None else limit} per category), sent untimed (greedy, first turns) before the "
+            f"measured requests of each learning mode's run, once per cache scope: "
+            + (", ".join(f"`{s}`" for s in scopes) if scopes else "none (no mode learns from outputs)")
+            + ". Each such run has its own scope, so no run learns from another's outputs of the measured prompts."
+        )
+    if meta.get("turns", 1) > 1:
+        lines.append(
+            "Multi-turn rows (mt_bench) give a second prompt too, run after every first turn: the chat [turn 1, the "
+            "model's own greedy answer to it, turn 2]."
+        )
+    return lines
 
 
 def transport_markdown(rows: list[TransportRow]) -> list[str]:
@@ -380,8 +483,8 @@ def transport_markdown(rows: list[TransportRow]) -> list[str]:
     return [*lines, ""]
 
 
-_MODE_RANK = {m: i for i, m in enumerate(("plain", "ngram", "ngram-local", "draft", "rag", "auto", "oracle",
-                                          "hf-greedy", "hf-pld"))}  # fmt: skip
+_MODE_RANK = {m: i for i, m in enumerate(("plain", "ngram", "ngram-local", "suffix", "draft", "rag", "auto",
+                                          "oracle", "hf-greedy", "hf-pld"))}  # fmt: skip
 
 
 def _save(fig, path: Path) -> Path:

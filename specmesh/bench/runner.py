@@ -8,10 +8,20 @@ modes (``hf-greedy``, ``hf-pld``) run transformers' ``generate()`` in this proce
 model and prompts. At concurrency 1 the modes are interleaved request by request (``plain``
 first, since the oracle needs its output, the others rotated); at concurrency c the same holds
 wave by wave, each wave being c requests of one mode in flight together.
+
+Modes that learn from past outputs (``LEARNING_MODES``: the suffix proposer, and ``auto``, which
+may pick it) must not learn from the run itself: each measured run of such a mode (mode,
+sampling, concurrency, and transport when there are two) has its own ``cache_scope``
+(``cache_scope``), random per bench invocation, and the warm-up prompts (if any) go through
+that scope, untimed, before the first measured request of its (sampling, concurrency) block. A
+prompt sent again in the same run (to fill the last wave) goes to a scope of its own
+(``<scope>-repeat<n>``), cold, rather than be proposed its own earlier output.
 """
 
 from __future__ import annotations
 
+import secrets
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +38,7 @@ SERVICE_MODES = {
     "plain": "none",
     "ngram": "ngram",
     "ngram-local": "ngram-local",  # same algorithm inside the verifier: the pipeline-overhead baseline
+    "suffix": "suffix",  # learns from the outputs of past requests (of the same cache_scope)
     "draft": "draft",
     "rag": "rag",
     "auto": "auto",
@@ -35,6 +46,23 @@ SERVICE_MODES = {
 }
 HF_MODES = ("hf-greedy", "hf-pld")
 ALL_MODES = (*SERVICE_MODES, *HF_MODES)
+# Modes whose proposer learns from the outputs it sees: each measured run gets its own cache scope
+# and the warm-up; the others (plain, ngram, ngram-local, draft, rag, oracle, hf-*) learn nothing.
+LEARNING_MODES = ("suffix", "auto")
+
+
+def cache_scope(token: str, mode: str, sampling: str, concurrency: int, target: str = "") -> str:
+    """The cache scope of one measured run of a learning mode ("" for the others): ``token`` is
+    random per bench invocation, ``target`` the transport when a run has two.
+
+    >>> cache_scope("5f3a", "suffix", "greedy", 8), cache_scope("5f3a", "auto", "sampled", 1, "http")
+    ('bench-5f3a-suffix-greedy-c8', 'bench-5f3a-auto-sampled-c1-http')
+    >>> cache_scope("5f3a", "ngram", "greedy", 8)
+    ''
+    """
+    if mode not in LEARNING_MODES:
+        return ""
+    return f"bench-{token}-{mode}-{sampling}-c{concurrency}" + (f"-{target}" if target else "")
 
 
 @dataclass(frozen=True)
@@ -110,17 +138,21 @@ def spread_counts(known: list[int | None], total: int | None) -> list[int]:
     return out
 
 
-def spec_for(mode: str, corpus: str, tag: str = "") -> SpecDecodeParams:
+def spec_for(mode: str, corpus: str, tag: str = "", scope: str = "") -> SpecDecodeParams:
     """The request's SpecDecodeParams in a mode; the corpus also goes to ``auto``, whose router
-    may then choose the rag proposer. ``tag``: the workload tag the router keys its statistics by.
+    may then choose the rag proposer. ``tag``: the workload tag the router keys its statistics by;
+    ``scope``: the cache scope (``cache_scope``).
 
     >>> spec_for("auto", "docs").corpus, spec_for("ngram", "docs").corpus
     ('docs', '')
-    >>> spec_for("auto", "", "code").workload_tag
-    'code'
+    >>> spec_for("auto", "", "code").workload_tag, spec_for("suffix", "", "", "bench-1-suffix").cache_scope
+    ('code', 'bench-1-suffix')
     """
     return SpecDecodeParams(
-        proposer=SERVICE_MODES[mode], corpus=corpus if mode in ("rag", "auto") else "", workload_tag=tag
+        proposer=SERVICE_MODES[mode],
+        corpus=corpus if mode in ("rag", "auto") else "",
+        workload_tag=tag,
+        cache_scope=scope,
     )
 
 
@@ -132,8 +164,9 @@ def _service_request(
     corpus: str,
     tag: bool = False,
     spread: bool = False,
+    scope: str = "",
 ) -> dict[str, Any]:
-    spec = spec_for(mode, corpus, prompt.category if tag else "")
+    spec = spec_for(mode, corpus, prompt.category if tag else "", scope)
     t0 = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
     shown: list[float] = []  # arrivals of chunks with text: the events an SSE client would see
@@ -181,7 +214,13 @@ class Target(Protocol):
     name: str
 
     def request(
-        self, prompt: BenchPrompt, mode: str, sampling: SamplingParams, corpus: str, tag: bool = False
+        self,
+        prompt: BenchPrompt,
+        mode: str,
+        sampling: SamplingParams,
+        corpus: str,
+        tag: bool = False,
+        scope: str = "",
     ) -> dict[str, Any]: ...
 
 
@@ -196,9 +235,15 @@ class GrpcTarget:
     name: str = "grpc"
 
     def request(
-        self, prompt: BenchPrompt, mode: str, sampling: SamplingParams, corpus: str, tag: bool = False
+        self,
+        prompt: BenchPrompt,
+        mode: str,
+        sampling: SamplingParams,
+        corpus: str,
+        tag: bool = False,
+        scope: str = "",
     ) -> dict[str, Any]:
-        return _service_request(self.client, prompt, mode, sampling, corpus, tag, self.spread)
+        return _service_request(self.client, prompt, mode, sampling, corpus, tag, self.spread, scope)
 
 
 class HfReference:
@@ -235,6 +280,7 @@ def _record(prompt: BenchPrompt, mode: str, sampling: str, concurrency: int, wav
         "category": prompt.category,
         "prompt_index": prompt.index,
         "row_id": prompt.row_id,
+        "turn": prompt.turn,
         "source": prompt.source,
         "sampling": sampling,
         "concurrency": concurrency,
@@ -254,18 +300,21 @@ def _tokens(out: dict) -> int:
 
 
 def mixed(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
-    """Categories interleaved round-robin: a wave of c requests mixes c categories.
+    """Categories interleaved round-robin: a wave of c requests mixes c categories. Second turns
+    come after every first turn (a conversation's turn 1 before its turn 2), mixed alike.
 
-    >>> ps = [BenchPrompt(c, i, "", "", "", ()) for c, i in (("a", 0), ("a", 1), ("b", 0))]
+    >>> ps = [BenchPrompt(c, i, "", "", "", (), t) for c, i, t in (("a", 0, 1), ("a", 1, 1), ("a", 2, 2), ("b", 0, 1))]
     >>> [(p.category, p.index) for p in mixed(ps)]
-    [('a', 0), ('b', 0), ('a', 1)]
+    [('a', 0), ('b', 0), ('a', 1), ('a', 2)]
     """
-    by: dict[str, list[BenchPrompt]] = {}
-    for p in prompts:
-        by.setdefault(p.category, []).append(p)
     out = []
-    for i in range(max(len(v) for v in by.values())):
-        out.extend(v[i] for v in by.values() if i < len(v))
+    for turn in sorted({p.turn for p in prompts}):
+        by: dict[str, list[BenchPrompt]] = {}
+        for p in prompts:
+            if p.turn == turn:
+                by.setdefault(p.category, []).append(p)
+        for i in range(max(len(v) for v in by.values())):
+            out.extend(v[i] for v in by.values() if i < len(v))
     return out
 
 
@@ -344,6 +393,10 @@ def _mark_lossless(records: list[dict], corrupt: str | None) -> None:
 
 
 class BenchRunner:
+    """``warmup``: prompts sent (untimed, greedy, at the run's highest concurrency) through each
+    learning mode's scope before its measured requests (see the module's docstring); ``run_token``
+    names this invocation's scopes (random by default); ``log``: progress lines (stderr)."""
+
     def __init__(
         self,
         config: RunConfig,
@@ -351,9 +404,74 @@ class BenchRunner:
         hf: HfReference | None,
         set_oracle: Callable[[tuple[int, ...], list[int]], None] | None,
         corrupt_mode: str | None = None,
+        warmup: Sequence[BenchPrompt] = (),
+        run_token: str | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         self.config, self.targets, self.hf, self.set_oracle = config, list(targets), hf, set_oracle
         self.corrupt_mode = corrupt_mode
+        self.warmup = list(warmup)
+        self.run_token = run_token or secrets.token_hex(4)
+        self.log = log or (lambda line: print(line, file=sys.stderr))
+        self.warmed: list[str] = []  # the scopes warmed so far, in order
+        self._sent: dict[tuple[str, str], int] = {}  # (scope, row id) → requests sent so far
+
+    def scope(self, mode: str, sampling: str, concurrency: int, target: Target) -> str:
+        """The cache scope of a measured request (before ``_repeat_scope``)."""
+        name = target.name if len(self.targets) > 1 else ""
+        return cache_scope(self.run_token, mode, sampling, concurrency, name)
+
+    def scopes(self) -> list[str]:
+        """Every measured run's scope of a learning mode, in run order."""
+        return [
+            s
+            for sampling in self.config.samplings
+            for c in self.config.concurrency
+            for m in self._modes(sampling, c)
+            if m in SERVICE_MODES
+            for t in self.targets
+            if (s := self.scope(m, sampling, c, t))
+        ]
+
+    def _repeat_scope(self, scope: str, prompt: BenchPrompt) -> str:
+        """``scope``, or for a prompt this scope has already been sent, a fresh scope of its own."""
+        if not scope:
+            return scope
+        n = self._sent.get((scope, prompt.row_id), 0)
+        self._sent[(scope, prompt.row_id)] = n + 1
+        return f"{scope}-repeat{n}" if n else scope
+
+    def _parallel(self, target: Target, prompts: list[BenchPrompt], mode: str, scope: str) -> list[dict]:
+        """Untimed greedy requests, at the run's highest concurrency (warm-ups, first answers)."""
+        cfg = self.config
+        sampling = self._sampling("greedy", 0)
+        with ThreadPoolExecutor(max(cfg.concurrency)) as pool:
+            return list(pool.map(lambda p: target.request(p, mode, sampling, cfg.corpus, cfg.tag, scope), prompts))
+
+    def first_answers(self, prompts: list[BenchPrompt]) -> dict[str, str]:
+        """row id → the model's greedy answer to turn 1, for each multi-turn row among ``prompts``:
+        plain decoding (a greedy answer is the same in every lossless mode) through the first
+        target, untimed, in a scope of its own (``bench-<token>-answers``) that no measured run
+        uses, and ``max_tokens`` as the run."""
+        multi = [p for p in prompts if p.turn == 1 and len(p.turns) > 1]
+        if not multi:
+            return {}
+        self.log(f"bench: answering the first turn of {len(multi)} multi-turn prompt(s) (untimed) …")
+        outs = self._parallel(self.targets[0], multi, "plain", f"bench-{self.run_token}-answers")
+        return {p.row_id: o["text"] for p, o in zip(multi, outs, strict=True)}
+
+    def _warm_up(self, sampling: str, c: int, modes: list[str]) -> None:
+        """The warm-up through every scope of this (sampling, concurrency) block, once each."""
+        if not self.warmup:
+            return
+        for mode in modes:
+            for target in self.targets if mode in SERVICE_MODES else ():
+                scope = self.scope(mode, sampling, c, target)
+                if not scope or scope in self.warmed:
+                    continue
+                self.log(f"bench: warm-up, {len(self.warmup)} prompts through {mode} in scope {scope} (untimed) …")
+                self._parallel(target, self.warmup, mode, scope)
+                self.warmed.append(scope)
 
     def planned_requests(self, prompts: list[BenchPrompt]) -> int:
         total = 0
@@ -364,13 +482,36 @@ class BenchRunner:
                     len(self.config.pld_sweep) if m == "hf-pld" else 1 if m in HF_MODES else len(self.targets)
                     for m in modes
                 )
-                if c == 1:
-                    total += len(prompts) * per_prompt
-                else:
-                    sizes = [sum(p.category == cat for p in prompts) for cat in {p.category for p in prompts}]
-                    sizes = [len(prompts)] if self.config.mix else sizes
-                    total += sum(-(-n // c) for n in sizes) * c * per_prompt
+                total += sum(len(wave) for wave in self.waves(prompts, c)) * per_prompt
         return total
+
+    def waves(self, prompts: list[BenchPrompt], c: int) -> list[list[BenchPrompt]]:
+        """What runs together, in order: at concurrency 1 each prompt; beyond, waves of c requests of
+        one category (its prompts cycled to fill the last wave), or of all categories mixed. Second
+        turns come after every first turn, in waves of their own, so that a conversation's turn 1
+        has finished before its turn 2 starts.
+
+        >>> ps = [BenchPrompt("a", i, f"a{i}", "", "", (), t) for i, t in ((0, 1), (1, 1), (2, 1), (3, 2))]
+        >>> runner = BenchRunner(RunConfig(modes=("plain",)), [], None, None)
+        >>> [[p.row_id for p in w] for w in runner.waves(ps, 2)]
+        [['a0', 'a1'], ['a2', 'a0'], ['a3', 'a3']]
+        >>> [[p.row_id for p in w] for w in runner.waves(ps[::-1], 1)]
+        [['a2'], ['a1'], ['a0'], ['a3']]
+        """
+        prompts = sorted(prompts, key=lambda p: p.turn)  # stable: file order within a turn
+        if c == 1:
+            return [[p] for p in prompts]
+        out = []
+        for turn in dict.fromkeys(p.turn for p in prompts):
+            phase = [p for p in prompts if p.turn == turn]
+            groups = (
+                [mixed(phase)]
+                if self.config.mix
+                else [[p for p in phase if p.category == cat] for cat in dict.fromkeys(p.category for p in phase)]
+            )
+            for ps in groups:
+                out += [[ps[(k * c + j) % len(ps)] for j in range(c)] for k in range(-(-len(ps) // c))]
+        return out
 
     def _modes(self, sampling: str, concurrency: int) -> list[str]:
         modes = list(self.config.modes)
@@ -390,24 +531,9 @@ class BenchRunner:
         for sampling in self.config.samplings:
             for c in self.config.concurrency:
                 modes = self._modes(sampling, c)
-                if c == 1:
-                    for i, p in enumerate(prompts):
-                        yield from self._group([p], mode_order(tuple(modes), i), sampling, 1, i)
-                else:  # waves of c requests of one category (its prompts cycled to fill the wave), or mixed
-                    w = 0
-                    groups = (
-                        [mixed(prompts)]
-                        if self.config.mix
-                        else [
-                            [p for p in prompts if p.category == cat]
-                            for cat in dict.fromkeys(p.category for p in prompts)
-                        ]
-                    )
-                    for ps in groups:
-                        for k in range(-(-len(ps) // c)):
-                            wave = [ps[(k * c + j) % len(ps)] for j in range(c)]
-                            yield from self._group(wave, mode_order(tuple(modes), w), sampling, c, w)
-                            w += 1
+                self._warm_up(sampling, c, modes)  # before this block's first measured request
+                for w, wave in enumerate(self.waves(prompts, c)):
+                    yield from self._group(wave, mode_order(tuple(modes), w), sampling, c, w)
 
     def _group(self, wave: list[BenchPrompt], order: list[str], sampling: str, c: int, w: int) -> Iterator[dict]:
         records: list[dict] = []
@@ -437,16 +563,21 @@ class BenchRunner:
     ) -> list[dict]:
         """The wave's requests of one mode on one target, all in flight together."""
         cfg = self.config
+        scope = self.scope(mode, sampling, c, target)
+        scopes = [self._repeat_scope(scope, p) for p in wave]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(wave)) as pool:
             outs = list(
                 pool.map(
-                    lambda p, s: target.request(p, mode, self._sampling(sampling, s), cfg.corpus, cfg.tag), wave, seeds
+                    lambda p, s, sc: target.request(p, mode, self._sampling(sampling, s), cfg.corpus, cfg.tag, sc),
+                    wave,
+                    seeds,
+                    scopes,
                 )
             )
         wave_tps = sum(_tokens(o) for o in outs) / (time.perf_counter() - t0)
         group = "mix" if cfg.mix and c > 1 else wave[0].category
         return [
-            _record(p, mode, sampling, c, w, slot=j, wave_tokens_per_s=wave_tps, group=group, **out)
-            for j, (p, out) in enumerate(zip(wave, outs, strict=True))
+            _record(p, mode, sampling, c, w, slot=j, wave_tokens_per_s=wave_tps, group=group, cache_scope=sc, **out)
+            for j, (p, sc, out) in enumerate(zip(wave, scopes, outs, strict=True))
         ]

@@ -37,7 +37,7 @@ class ProposalSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeStart(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "budget", "sampling", "vocab", "target_model", "workload_tag", "corpus")
+    __slots__ = ("request_id", "prompt_token_ids", "budget", "sampling", "vocab", "target_model", "workload_tag", "corpus", "cache_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class ProposeStart(_message.Message):
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_TAG_FIELD_NUMBER: _ClassVar[int]
     CORPUS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     budget: TreeBudget
@@ -54,7 +55,8 @@ class ProposeStart(_message.Message):
     target_model: str
     workload_tag: str
     corpus: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[TreeBudget, _Mapping]] = ..., sampling: _Optional[_Union[ProposalSampling, _Mapping]] = ..., vocab: _Optional[_Union[VocabIdentity, _Mapping]] = ..., target_model: _Optional[str] = ..., workload_tag: _Optional[str] = ..., corpus: _Optional[str] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[TreeBudget, _Mapping]] = ..., sampling: _Optional[_Union[ProposalSampling, _Mapping]] = ..., vocab: _Optional[_Union[VocabIdentity, _Mapping]] = ..., target_model: _Optional[str] = ..., workload_tag: _Optional[str] = ..., corpus: _Optional[str] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class ProposeAdvance(_message.Message):
     __slots__ = ("accepted_token_ids", "budget")
@@ -87,14 +89,16 @@ class NodeDistribution(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenTree(_message.Message):
-    __slots__ = ("tokens", "parents", "distributions")
+    __slots__ = ("tokens", "parents", "distributions", "path_probs")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    PATH_PROBS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[NodeDistribution]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[NodeDistribution, _Mapping]]] = ...) -> None: ...
+    path_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[NodeDistribution, _Mapping]]] = ..., path_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("context_length", "tree")

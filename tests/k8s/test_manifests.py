@@ -37,6 +37,7 @@ SOURCE_DIRS = ("specmesh", "verifier_svc", "proposer_svc", "gateway_svc", "route
 COMMANDS = (
     ("serve", "verifier"),
     ("serve", "ngram"),
+    ("serve", "suffix"),
     ("serve", "draft"),
     ("serve", "rag"),
     ("serve", "gateway"),
@@ -45,9 +46,12 @@ COMMANDS = (
 # How many --grace periods a service's SIGTERM drain can take: one each. The verifier's wait for
 # running requests and the gRPC server's stop share one deadline (specmesh/server/serving.py); the gateway
 # lets in-flight responses finish within --grace.
-DRAIN_GRACE_PERIODS = {"verifier": 1, "ngram": 1, "draft": 1, "rag": 1, "gateway": 1}
+DRAIN_GRACE_PERIODS = {"verifier": 1, "ngram": 1, "suffix": 1, "draft": 1, "rag": 1, "gateway": 1}
 HTTP_SERVICES = ("gateway",)  # `specmesh serve` tiers that speak HTTP (probes httpGet/tcpSocket, not gRPC)
 MODEL_LOADING = ("verifier", "draft")  # startup probes need a long budget
+# Environment variables of libraries the services use (not SpecMesh's own), each with the module that reads it.
+LIBRARY_ENV = {"NUMBA_CACHE_DIR": "numba.core.config"}
+NUMBA_COMMANDS = (("serve", "suffix"),)  # commands that compile numba kernels (cache=True) at start
 ENV_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")  # Kubernetes' $(VAR); $$(VAR) escapes
 
 
@@ -166,7 +170,7 @@ def validate(obj: dict[str, Any], version: str, strict: bool = True) -> None:
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_every_kustomization_renders_the_whole_deployment(kustomization):
     kinds = {(o["kind"], o["metadata"]["name"]) for o in render(kustomization)}
-    for name in ("verifier", "gateway", "ngram", "draft", "rag", "redis"):
+    for name in ("verifier", "gateway", "ngram", "suffix", "draft", "rag", "redis"):
         assert ("Deployment", name) in kinds
     for kind, name in [("Job", "rag-ingest"), ("PersistentVolumeClaim", "rag-data"), ("Namespace", NAMESPACE)]:
         assert (kind, name) in kinds
@@ -289,8 +293,24 @@ def test_environment_references_resolve_and_no_variable_is_unused(kustomization)
             used = {ref for a in c.get("args", []) + [e.get("value", "") for e in env] for ref in ENV_REF.findall(a)}
             assert used <= set(defined), f"{name}/{c['name']}: undefined $({', '.join(sorted(used - set(defined)))})"
             if is_specmesh(c):
-                dead = [n for n in defined if not n.startswith("SPECMESH_") and n not in used]
+                dead = [n for n in defined if not n.startswith("SPECMESH_") and n not in used and n not in LIBRARY_ENV]
                 assert not dead, f"{name}/{c['name']}: env {dead} is neither read by SpecMesh nor referenced"
+
+
+def test_every_library_variable_the_manifests_set_is_read_by_that_library():
+    import importlib
+    import inspect
+
+    seen = {
+        e["name"]
+        for kustomization in KUSTOMIZATIONS
+        for _, _, c in specmesh_containers(kustomization)
+        for e in c.get("env", [])
+        if e["name"] in LIBRARY_ENV
+    }
+    assert seen == set(LIBRARY_ENV)
+    for name, module in LIBRARY_ENV.items():
+        assert f'"{name}"' in inspect.getsource(importlib.import_module(module)), f"{module} reads no {name}"
 
 
 # ---- networking: headless proposer tiers, ports, probes, drain -------------------------------------
@@ -309,7 +329,7 @@ def test_verifier_dials_every_proposer_tier_through_its_headless_service(kustomi
     env = {e["name"]: e for e in verifier["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     proposers = dict(p.split("=", 1) for p in flag_values(verifier["args"])["--proposer"])
-    assert set(proposers) == {"ngram", "draft", "rag"}
+    assert set(proposers) == {"ngram", "suffix", "draft", "rag"}
     for name, address in proposers.items():
         m = re.fullmatch(r"dns:///([a-z0-9-]+)\.\$\(POD_NAMESPACE\)\.svc\.cluster\.local:(\d+)", address)
         assert m, f"--proposer {name}={address}: want dns:///<service>.$(POD_NAMESPACE).svc.cluster.local:<port>"
@@ -368,6 +388,7 @@ def test_every_selector_and_target_port_finds_its_pods(kustomization):
 SERVES = {  # readiness service name: what each process registers with the health service
     "verifier": ("specmesh.v1.generation_pb2", "GenerationService"),
     "ngram": ("specmesh.v1.proposer_pb2", "ProposerService"),
+    "suffix": ("specmesh.v1.proposer_pb2", "ProposerService"),
     "draft": ("specmesh.v1.proposer_pb2", "ProposerService"),
     "rag": ("specmesh.v1.proposer_pb2", "ProposerService"),
 }
@@ -491,6 +512,9 @@ def flow_allowed(policies: list[dict], src: tuple[str, dict], dst: tuple[str, di
     return ingress_allows(policies, src, dst, port) and _side_allows(policies, src, "Egress", dst, port)
 
 
+PROPOSER_PORTS = (("ngram", 50061), ("suffix", 50064), ("draft", 50062), ("rag", 50063))
+
+
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustomization):
     policies = list(objects(kustomization, "NetworkPolicy").values())
@@ -505,26 +529,36 @@ def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustom
         (pods["gateway"], "verifier", 50051),
         (prometheus, "gateway", 8000),
         (pods["verifier"], "ngram", 50061),
+        (pods["verifier"], "suffix", 50064),
         (pods["verifier"], "draft", 50062),
         (pods["verifier"], "rag", 50063),
         (pods["verifier"], "redis", 6379),
+        (pods["suffix"], "redis", 6379),  # the suffix replicas share finished outputs there
         (pods["rag-ingest"], "rag", 50063),
-        *((prometheus, tier, 9090) for tier in ("verifier", "ngram", "draft", "rag")),
+        *((prometheus, tier, 9090) for tier in ("verifier", "ngram", "suffix", "draft", "rag")),
     ]
     # Refused by the destination's own ingress policies, whatever the source's egress allows.
     refused = [
-        *((client, tier, port) for tier, port in (("ngram", 50061), ("draft", 50062), ("rag", 50063))),
+        *((client, tier, port) for tier, port in PROPOSER_PORTS),
         (client, "redis", 6379),
         (stranger, "redis", 6379),
         (stranger, "ngram", 50061),
+        (stranger, "suffix", 50064),
         (stranger, "rag", 50063),
         (pods["ngram"], "redis", 6379),
+        (pods["draft"], "redis", 6379),
         (pods["draft"], "ngram", 50061),
+        (pods["suffix"], "ngram", 50061),
+        (pods["ngram"], "suffix", 50064),
+        (pods["rag-ingest"], "suffix", 50064),
         (pods["rag"], "redis", 6379),
         (pods["rag-ingest"], "redis", 6379),
         (pods["verifier"], "ngram", 9090),
+        (pods["verifier"], "suffix", 9090),
+        (pods["suffix"], "suffix", 9090),
         (prometheus, "redis", 6379),
-        *((pods["gateway"], tier, port) for tier, port in (("ngram", 50061), ("draft", 50062), ("rag", 50063))),
+        (prometheus, "suffix", 50064),
+        *((pods["gateway"], tier, port) for tier, port in PROPOSER_PORTS),
         (pods["gateway"], "redis", 6379),
         (pods["gateway"], "verifier", 9090),
         (client, "gateway", 9090),
@@ -536,16 +570,20 @@ def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustom
     # The gateway admits any client pod; one in this namespace needs an egress policy of its own.
     assert ingress_allows(policies, stranger, pods["gateway"], 8000)
     assert not flow_allowed(policies, stranger, pods["gateway"], 8000)
-    # Egress: the proposers and Redis open no connections; the ingest Job reaches only the rag proposer.
-    for name in ("ngram", "draft", "rag", "redis"):
+    # Egress: the proposers and Redis open no connections, but the suffix proposer's to Redis; the
+    # ingest Job reaches only the rag proposer.
+    for name in ("ngram", "suffix", "draft", "rag", "redis"):
         assert not flow_allowed(policies, pods[name], client, 50051), f"{name} may open connections"
+    for dst, port in (("verifier", 50051), ("ngram", 50061), ("rag", 50063), ("redis", 9090)):
+        assert not flow_allowed(policies, pods["suffix"], pods[dst], port), f"suffix may call {dst}:{port}"
+    assert not flow_allowed(policies, pods["suffix"], ("elsewhere", {"app.kubernetes.io/name": "redis"}), 6379)
     assert not flow_allowed(policies, pods["rag-ingest"], pods["verifier"], 50051)
     # The gateway opens connections to the verifier's gRPC port only.
     assert not flow_allowed(policies, pods["gateway"], client, 50051)
     assert not flow_allowed(policies, pods["gateway"], client, 443)
-    for name in ("ngram", "draft", "rag", "redis", "gateway"):
+    for name in ("ngram", "suffix", "draft", "rag", "redis", "gateway"):
         assert not flow_allowed(policies, pods[name], pods["gateway"], 8000), f"{name} may call the gateway"
-    for name in ("verifier", "rag-ingest", "gateway"):  # they resolve Service names
+    for name in ("verifier", "suffix", "rag-ingest", "gateway"):  # they resolve Service names
         assert flow_allowed(policies, pods[name], dns, 53)
     # Narrowing the client rules (the verifier's and the gateway's first ingress rule) to client
     # namespaces keeps the gateway → verifier flow and Prometheus' scrape of the gateway.
@@ -628,7 +666,10 @@ def test_the_image_writes_only_where_the_pods_mount_writable_volumes(kustomizati
             for m in c["volumeMounts"]
             if not m.get("readOnly") and {"emptyDir", "persistentVolumeClaim"} & set(volumes[m["name"]])
         ]
-        needed = paths if command(c)[0] == "serve" else {"HOME": paths["HOME"]}
+        needed = dict(paths) if command(c)[0] == "serve" else {"HOME": paths["HOME"]}
+        if command(c) in NUMBA_COMMANDS:  # numba caches compiled kernels beside the code unless told where
+            assert "NUMBA_CACHE_DIR" in literal_env(c), f"{name}: numba would write into site-packages"
+        needed.update((k, v) for k, v in literal_env(c).items() if k in LIBRARY_ENV)
         for var, path in needed.items():
             assert any(path == w or path.startswith(w.rstrip("/") + "/") for w in writable), (
                 f"{name}: {var}={path} is on the read-only root filesystem"
@@ -649,13 +690,20 @@ def test_redis_is_internal_and_password_protected_from_a_secret(kustomization):
     redis = objects(kustomization, "Deployment")["redis"]["spec"]["template"]["spec"]["containers"][0]
     args = redis["args"]
     assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
-    verifier = objects(kustomization, "Deployment")["verifier"]["spec"]["template"]["spec"]["containers"][0]
-    for c in (redis, verifier):
+    deployments = objects(kustomization, "Deployment")
+    clients = [deployments[n]["spec"]["template"]["spec"]["containers"][0] for n in ("verifier", "suffix")]
+    for c in (redis, *clients):
         ref = next(e for e in c["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "specmesh-redis", "key": "password"}
-    url = literal_env(verifier)["SPECMESH_REDIS_URL"]
     port = redis_svc["ports"][0]["port"]
-    assert url == f"redis://:$(REDIS_PASSWORD)@redis.$(POD_NAMESPACE).svc.cluster.local:{port}/0"
+    for c in clients:  # the URL (with the password) in the environment, never in the arguments
+        url = literal_env(c)["SPECMESH_REDIS_URL"]
+        assert url == f"redis://:$(REDIS_PASSWORD)@redis.$(POD_NAMESPACE).svc.cluster.local:{port}/0", c["name"]
+        assert not any("redis://" in a for a in c["args"]), c["name"]
+    # The suffix replicas' shared stream stays apart from the router's statistics keys.
+    suffix = flag_values(clients[1]["args"])
+    stats = flag_values(clients[0]["args"]).get("--stats-prefix", ["specmesh:stats"])[0]
+    assert suffix["--redis-prefix"] == ["specmesh:suffix"] and not stats.startswith("specmesh:suffix")
 
 
 # ---- autoscaling, disruption budgets, the rag datastore -------------------------------------------
@@ -676,7 +724,7 @@ def exported_metric_names() -> set[str]:
 def test_autoscalers_scale_each_tier_on_metrics_it_has(kustomization):
     deployments = objects(kustomization, "Deployment")
     hpas = objects(kustomization, "HorizontalPodAutoscaler")
-    assert set(hpas) == {"verifier", "gateway", "ngram", "draft"}  # rag: one writer of its datastore
+    assert set(hpas) == {"verifier", "gateway", "ngram", "suffix", "draft"}  # rag: one writer of its datastore
     exported = exported_metric_names()
     for name, hpa in hpas.items():
         ref = hpa["spec"]["scaleTargetRef"]
@@ -692,10 +740,10 @@ def test_autoscalers_scale_each_tier_on_metrics_it_has(kustomization):
                 assert m["type"] == "Pods" and m["pods"]["metric"]["name"] in exported, f"{name}: {m}"
     verifier_metrics = {m["pods"]["metric"]["name"] for m in hpas["verifier"]["spec"]["metrics"] if m["type"] == "Pods"}
     assert "specmesh_running_requests" in verifier_metrics
-    assert [m["type"] for m in hpas["gateway"]["spec"]["metrics"]] == ["Resource"]  # no GPU, no model: CPU
+    for tier in ("gateway", "ngram", "suffix"):  # no GPU, no model: CPU
+        assert [m["type"] for m in hpas[tier]["spec"]["metrics"]] == ["Resource"], tier
     if kustomization != "overlays/gpu":
-        for tier in ("ngram", "draft"):
-            assert [m["type"] for m in hpas[tier]["spec"]["metrics"]] == ["Resource"]
+        assert [m["type"] for m in hpas["draft"]["spec"]["metrics"]] == ["Resource"]
     rag = deployments["rag"]["spec"]
     assert rag["replicas"] == 1 and rag["strategy"]["type"] == "Recreate"  # ReadWriteOnce datastore
     pdbs = objects(kustomization, "PodDisruptionBudget")
@@ -822,7 +870,7 @@ MONITORING_OBJECTS = {
     ("PrometheusRule", "specmesh"),
     ("ConfigMap", "specmesh-grafana-dashboard"),
 }
-MONITORED_TIERS = ("verifier", "ngram", "draft", "rag", "gateway")
+MONITORED_TIERS = ("verifier", "ngram", "suffix", "draft", "rag", "gateway")
 PROMETHEUS = ("monitoring", {"app.kubernetes.io/name": "prometheus"})  # what the NetworkPolicies admit
 # The fields this component uses of the Prometheus Operator's CRDs (no OpenAPI schema offline): a typo fails.
 SERVICE_MONITOR_FIELDS = {"selector", "namespaceSelector", "endpoints"}
@@ -967,7 +1015,7 @@ def test_the_readme_specmesh_commands_parse_with_the_real_cli():
 
 # ---- security: tokens from Secrets, reflection off, the TLS component (k8s/components/tls) --------
 
-GRPC_SERVERS = ("verifier", "ngram", "draft", "rag")
+GRPC_SERVERS = ("verifier", "ngram", "suffix", "draft", "rag")
 # Which token each workload may read (Secret specmesh-tokens, mounted file by file) and through which variable.
 TOKEN_ENV = {
     "verifier": {
@@ -976,6 +1024,7 @@ TOKEN_ENV = {
         "SPECMESH_PROPOSER_TOKEN_FILE": "proposer",
     },
     "ngram": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
+    "suffix": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
     "draft": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
     "rag": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
     "gateway": {"SPECMESH_API_KEY_FILE": "api-key", "SPECMESH_VERIFIER_TOKEN_FILE": "client"},

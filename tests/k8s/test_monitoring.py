@@ -2,8 +2,8 @@
 
 Every PromQL expression in them parses (``promql_parser``, Prometheus' grammar) and names only
 metrics, and matches or groups only by labels, that live services export: a real n-gram proposer,
-verifier and gateway run a few short greedy requests on loopback and their ``/metrics`` are
-scraped. The same services show that the latency histograms move, that a client's workload tag
+suffix proposer, verifier and gateway run a few short greedy requests on loopback and their
+``/metrics`` are scraped. The same services show that the latency histograms move, that a client's workload tag
 reaches ``/metrics`` only when allow-listed (``--metrics-tags``), and that ``/metrics`` binds the
 service's own host unless ``--metrics-address`` says otherwise.
 """
@@ -226,6 +226,7 @@ def refuses(host: str, port: int) -> bool:
 class Live:
     verifier_metrics: str  # http://host:port/metrics
     ngram_metrics: str
+    suffix_metrics: str
     gateway_metrics: str
     metrics_port: int
     ngram_metrics_host: str
@@ -234,6 +235,7 @@ class Live:
     verifier: str = ""
     gateway: str = ""
     ngram: str = ""
+    suffix: str = ""
 
 
 @pytest.fixture(scope="module")
@@ -249,16 +251,25 @@ def live(tmp_path_factory) -> Iterator[Live]:
     ngram_address, ngram_port = f"127.0.0.1:{free_port()}", free_port()
     cmd = [sys.executable, "-m", "specmesh", "serve", "ngram", "--address", ngram_address,
            "--metrics-port", str(ngram_port), "--metrics-address", ngram_host]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with (tmp / "ngram.log").open("wb") as log:
-        ngram = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        ngram = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # The suffix proposer (its own metrics: cache size, trees by source); no model, no Redis.
+    suffix_address, suffix_port = f"127.0.0.1:{free_port()}", free_port()
+    cmd = [sys.executable, "-m", "specmesh", "serve", "suffix", "--address", suffix_address,
+           "--metrics-port", str(suffix_port)]  # fmt: skip
+    with (tmp / "suffix.log").open("wb") as log:
+        suffix = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     verifier = gateway = None
     try:
         wait_healthy(ngram_address, 60, ngram)
+        wait_healthy(suffix_address, 120, suffix)  # numba compiles its kernels on a first start
         port = free_port()
         verifier = start_verifier(
             tmp,
             "--proposer", "ngram=inprocess:ngram",
             "--proposer", f"remote={ngram_address}",
+            "--proposer", f"suffix={suffix_address}",
             "--spec-gating", "always",  # verify every tree (and skip the start-up step profiling)
             "--metrics-port", str(port),
             "--metrics-tags", f"{ALLOWED_TAG},team-b",
@@ -268,7 +279,7 @@ def live(tmp_path_factory) -> Iterator[Live]:
         before = scrape(url)
         greedy = SamplingParams(temperature=0.0, max_tokens=16)
         with Client(verifier.address) as client:
-            for proposer, tag in (("ngram", ALLOWED_TAG), ("remote", SECRET_TAG)):
+            for proposer, tag in (("ngram", ALLOWED_TAG), ("remote", SECRET_TAG), ("suffix", ALLOWED_TAG)):
                 client.complete(COPY_PROMPT, greedy, SpecDecodeParams(proposer=proposer, workload_tag=tag), chat=True)
         body = {
             "model": httpx.get(f"{gateway.url}/models", timeout=30).json()["data"][0]["id"],
@@ -281,24 +292,26 @@ def live(tmp_path_factory) -> Iterator[Live]:
         with httpx.stream("POST", f"{gateway.url}/chat/completions", json=body, timeout=120) as resp:
             assert resp.status_code == 200
             assert "data: [DONE]" in list(resp.iter_lines())
-        # The last step's counts are recorded just after its tokens are sent: wait for all three.
+        # The last step's counts are recorded just after its tokens are sent: wait for all four.
         deadline = time.time() + 10
-        while histogram_count(scrape(url), "specmesh_e2e_request_latency_seconds") < 3:
-            assert time.time() < deadline, "the verifier did not count its 3 requests"
+        while histogram_count(scrape(url), "specmesh_e2e_request_latency_seconds") < 4:
+            assert time.time() < deadline, "the verifier did not count its 4 requests"
             time.sleep(0.05)
         live = Live(
             verifier_metrics=url,
             ngram_metrics=f"http://{ngram_host}:{ngram_port}/metrics",
+            suffix_metrics=f"http://127.0.0.1:{suffix_port}/metrics",
             gateway_metrics=gateway.url.removesuffix("/v1") + "/metrics",
             metrics_port=port,
             ngram_metrics_host=ngram_host,
             ngram_metrics_port=ngram_port,
             before=before,
         )
-        live.verifier, live.gateway, live.ngram = (
+        live.verifier, live.gateway, live.ngram, live.suffix = (
             scrape(live.verifier_metrics),
             scrape(live.gateway_metrics),
             scrape(live.ngram_metrics),
+            scrape(live.suffix_metrics),
         )
         yield live
     finally:
@@ -307,12 +320,13 @@ def live(tmp_path_factory) -> Iterator[Live]:
         if verifier is not None:
             stop_verifier(verifier)
         stop_process(ngram)
+        stop_process(suffix)
 
 
 @pytest.mark.slow
 def test_every_metric_and_label_a_query_uses_is_exported_by_the_live_services(live):
     exported: dict[str, list[dict[str, str]]] = {}
-    for text in (live.verifier, live.gateway, live.ngram):
+    for text in (live.verifier, live.gateway, live.ngram, live.suffix):
         for name, label_sets in samples(text).items():
             exported.setdefault(name, []).extend(label_sets)
     labels = {name: set().union(*(set(s) for s in sets)) for name, sets in exported.items()}
@@ -347,6 +361,7 @@ def test_latency_histograms_move_when_requests_run(live):
     for name in ("specmesh_gateway_time_to_first_token_seconds", "specmesh_gateway_request_seconds"):
         assert histogram_count(live.gateway, name) >= 1, name
     assert histogram_count(live.ngram, "specmesh_proposal_seconds") >= 1
+    assert histogram_count(live.suffix, "specmesh_proposal_seconds") >= 1
 
 
 @pytest.mark.slow
@@ -354,7 +369,7 @@ def test_a_workload_tag_reaches_metrics_only_when_allow_listed(live):
     tags = {s.get("workload_tag") for sets in samples(live.verifier).values() for s in sets} - {None}
     assert ALLOWED_TAG in tags and "other" in tags  # the secret tag's statistics, pooled
     assert tags <= {"", ALLOWED_TAG, "team-b", "other"}
-    for text in (live.verifier, live.gateway, live.ngram):
+    for text in (live.verifier, live.gateway, live.ngram, live.suffix):
         assert SECRET_TAG not in text and "acme" not in text
 
 

@@ -17,6 +17,8 @@ def _parse(service: str, argv: list[str]):
         from gateway_svc.config import parse_args
     elif service == "ngram":
         from proposer_svc.server import parse_args
+    elif service == "suffix":
+        from proposer_svc.suffix_server import parse_args
     elif service == "rag":
         from proposer_svc.rag_server import parse_args
     else:
@@ -36,9 +38,9 @@ def test_up_tls_auth_wires_every_hop(tmp_path):
     for private in (tls["key"], *tokens.values()):
         assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
     parsed = {s.name: _parse(s.name, s.argv[5:]) for s in dep.services}  # [python, -m, specmesh, serve, NAME, …]
-    assert set(parsed) == {"ngram", "rag", "draft", "verifier", "gateway"}
+    assert set(parsed) == {"ngram", "suffix", "rag", "draft", "verifier", "gateway"}
     tier = (tokens["proposer"].read_text().strip(),)
-    for name in ("ngram", "rag", "draft"):
+    for name in ("ngram", "suffix", "rag", "draft"):
         sec = parsed[name].serving.security
         assert sec.tls.client_ca == str(tls["ca"]) and sec.tls.cert == str(tls["cert"]), name
         assert sec.tokens == tier, name

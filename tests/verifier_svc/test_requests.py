@@ -50,6 +50,8 @@ def _build(tokenizer, prompt="Hello", sampling=None, spec=None, chat=False):
         ("hi", None, SpecDecodeParams(max_tree_nodes=2**31 - 1), "spec_decode.max_tree_nodes"),
         ("hi", None, SpecDecodeParams(corpus="x" * 65), "spec_decode.corpus"),
         ("hi", None, SpecDecodeParams(corpus="a\nb"), "spec_decode.corpus"),
+        ("hi", None, SpecDecodeParams(cache_scope="x" * 129), "spec_decode.cache_scope"),
+        ("hi", None, SpecDecodeParams(cache_scope="a\tb"), "spec_decode.cache_scope"),
     ],
 )
 def test_bad_input_is_rejected_naming_the_field(tokenizer, prompt, sampling, spec, field):

@@ -158,7 +158,7 @@ class FakeTarget:
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
 
-    def request(self, prompt, mode, sampling, corpus, tag=False) -> dict:
+    def request(self, prompt, mode, sampling, corpus, tag=False, scope="") -> dict:
         self.log.append((self.name, mode, prompt.index, sampling.seed))
         rec = {"transport": self.name, "wall_s": 1.0, "ttft_ms": 10.0, "itl_ms": [5.0], "text": "same"}
         rec.update({"server": "specmesh", "completion_tokens": 4} if self.name == "http" else {"token_ids": [1, 2]})
@@ -316,10 +316,13 @@ def test_a_specmesh_gateway_gets_each_modes_speculation_as_extra_body(stub_serve
     assert body["prompt"] == [1, 2, 3] and body["stream"] and body["stream_options"] == {"include_usage": True}
     assert (body["model"], body["max_tokens"], body["temperature"]) == ("tiny", 4, 0.0) and "seed" not in body
     assert body["spec_decode"] == {
-        "proposer": "auto", "num_speculative_tokens": 0, "max_tree_nodes": 0, "workload_tag": "code", "corpus": "docs"
+        "proposer": "auto", "num_speculative_tokens": 0, "max_tree_nodes": 0, "workload_tag": "code", "corpus": "docs",
+        "cache_scope": "",
     }  # fmt: skip
     assert (rec["text"], rec["completion_tokens"], rec["finish_reason"], rec["steps"]) == ("Hello", 4, "length", 2)
     assert rec["server"] == "specmesh" and len(rec["itl_ms"]) == 2
+    target.request(PROMPT, "suffix", SamplingParams(temperature=0.0, max_tokens=4), "", scope="bench-1-suffix")
+    assert stub_server["bodies"][-1]["spec_decode"]["cache_scope"] == "bench-1-suffix"
     target.request(PROMPT, "plain", SamplingParams(temperature=0.7, seed=5, max_tokens=4), "")
     assert stub_server["bodies"][-1]["spec_decode"]["proposer"] == "none"
     assert stub_server["bodies"][-1]["seed"] == 5
