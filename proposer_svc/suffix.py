@@ -430,33 +430,22 @@ class Matches:
 NO_MATCH = Matches(0, lambda ell: [])
 
 
-def best_tree(sources: dict[str, Matches], cfg: SuffixConfig, max_nodes: int, max_depth: int) -> Proposal:
-    """One tree over every source's occurrences (the request's first: they fill the occurrence cap
-    first) for the longest match (≥ min_match); when fewer than ``min_support`` occurrences back
-    it, also the tree of half that length, the better scoring of the two. The proposal's source
-    names the sources whose occurrences it counted ("request+global" for both)."""
+def best_tree(matches: Matches, source: str, cfg: SuffixConfig, max_nodes: int, max_depth: int) -> Proposal:
+    """The tree of one source's occurrences for the longest match (≥ min_match); when fewer than
+    ``min_support`` occurrences back it, also the tree of half that length, the better scoring one."""
     best = EMPTY
-    longest = max((m.longest for m in sources.values()), default=0)
-    for ell in (longest, max(cfg.min_match, longest // 2)):
+    for ell in (matches.longest, max(cfg.min_match, matches.longest // 2)):
         if ell < cfg.min_match or (best.source and ell == best.match_length):
             break
         depth = _depth_for(ell, cfg, max_depth)
         conts = np.empty((cfg.max_occurrences, depth), np.int32)  # [occurrences, depth]
-        rows, used = 0, []
-        for name, matches in sources.items():
-            before = rows
-            for buf, starts in matches.at_least(ell):
-                rows = continuations(buf, starts, depth, conts, rows)
-            if rows > before:
-                used.append(name)
+        rows = 0
+        for buf, starts in matches.at_least(ell):
+            rows = continuations(buf, starts, depth, conts, rows)
         if not rows:
             continue
-        out = _TreeOut(max_nodes)
-        n = _trie(conts[:rows], rows, cfg.min_token_prob, out.tokens, out.parents, out.probs)
-        probs = out.probs[:n]
-        tree = Proposal(
-            out.tokens[:n].tolist(), out.parents[:n].tolist(), probs.tolist(), "+".join(used), ell, float(probs.sum())
-        )
+        tokens, parents, probs = continuation_tree(conts[:rows], max_nodes, cfg.min_token_prob)
+        tree = Proposal(tokens, parents, probs, source, ell, float(np.sum(probs)))
         if tree.score > best.score:
             best = tree
         if rows >= cfg.min_support:
@@ -686,8 +675,8 @@ class SuffixRequest:
         ctx = self.context.view()
         # One tree per source, the better scoring one sent (SuffixDecoding): a request copying its own
         # prompt is not outvoted by the many global occurrences of a short match, nor the reverse.
-        own = best_tree({"request": self.context.matches(ctx, cfg)}, cfg, nodes, depth)
-        shared = best_tree({"global": self.cache.matches(self.scope, ctx, self.key)}, cfg, nodes, depth)
+        own = best_tree(self.context.matches(ctx, cfg), "request", cfg, nodes, depth)
+        shared = best_tree(self.cache.matches(self.scope, ctx, self.key), "global", cfg, nodes, depth)
         return shared if shared.score > own.score else own
 
     def close(self) -> np.ndarray:

@@ -328,7 +328,7 @@ def _queries(rng, outputs: list[np.ndarray], n: int, vocab: int = 40) -> list[np
 
 def _propose(cache: SuffixCache, scope: str, ctx: np.ndarray, exclude: int | None = None):
     cfg = cache.config
-    return best_tree({"global": cache.matches(scope, ctx, exclude)}, cfg, cfg.max_nodes, cfg.max_depth)
+    return best_tree(cache.matches(scope, ctx, exclude), "global", cfg, cfg.max_nodes, cfg.max_depth)
 
 
 def _trees(cache: SuffixCache, scope: str, queries: list[np.ndarray]) -> list[tuple]:
