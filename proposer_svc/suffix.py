@@ -279,9 +279,14 @@ def continuation_tree(conts: np.ndarray, max_nodes: int, min_prob: float) -> tup
     """
     if not len(conts) or not conts.shape[1]:
         return [], [], []
+    tokens, parents, probs = _tree_arrays(conts, max_nodes, min_prob)
+    return tokens.tolist(), parents.tolist(), probs.tolist()
+
+
+def _tree_arrays(conts: np.ndarray, max_nodes: int, min_prob: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     out = _TreeOut(max_nodes)
     n = _trie(conts, len(conts), min_prob, out.tokens, out.parents, out.probs)
-    return out.tokens[:n].tolist(), out.parents[:n].tolist(), out.probs[:n].tolist()
+    return out.tokens[:n], out.parents[:n], out.probs[:n]
 
 
 class _TreeOut:
@@ -444,8 +449,8 @@ def best_tree(matches: Matches, source: str, cfg: SuffixConfig, max_nodes: int, 
             rows = continuations(buf, starts, depth, conts, rows)
         if not rows:
             continue
-        tokens, parents, probs = continuation_tree(conts[:rows], max_nodes, cfg.min_token_prob)
-        tree = Proposal(tokens, parents, probs, source, ell, float(np.sum(probs)))
+        tokens, parents, probs = _tree_arrays(conts[:rows], max_nodes, cfg.min_token_prob)
+        tree = Proposal(tokens.tolist(), parents.tolist(), probs.tolist(), source, ell, float(probs.sum()))
         if tree.score > best.score:
             best = tree
         if rows >= cfg.min_support:
