@@ -88,8 +88,11 @@ def workload_texts(tokenizer: Any) -> list[list[int]]:
     return out
 
 
-def _generate(model: Any, prompts: list[list[int]], tokens: int, deadline: float, pad: int) -> list[list[int]]:
-    """Target greedy answers (prompt + answer), 8 prompts at a time, until the deadline."""
+def generate_answers(
+    model: Any, prompts: list[list[int]], tokens: int, deadline: float, pad: int, temperature: float = 0.0
+) -> list[list[int]]:
+    """Target answers (prompt + answer), 8 prompts at a time, until the deadline: greedy, or sampled
+    at ``temperature``."""
     import torch
 
     out = []
@@ -104,7 +107,10 @@ def _generate(model: Any, prompts: list[list[int]], tokens: int, deadline: float
             ids[j, n - len(p) :] = torch.tensor(p)
             att[j, n - len(p) :] = 1
         with torch.inference_mode():
-            gen = model.generate(ids, attention_mask=att, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+            sampling = (
+                {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+            )
+            gen = model.generate(ids, attention_mask=att, max_new_tokens=tokens, pad_token_id=pad, **sampling)
         for j, p in enumerate(group):
             answer = [t for t in gen[j, n:].tolist() if t != pad]
             out.append(p + answer)
@@ -142,8 +148,8 @@ def distill(target_spec: str | None, out: Path, cfg: DistillConfig) -> dict[str,
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     if cfg.generate_fraction > 0:
         gen_deadline = time.monotonic() + cfg.generate_fraction * (deadline - time.monotonic())
-        heldout = _generate(teacher, heldout, cfg.generate_tokens, gen_deadline, pad) or heldout
-        train = _generate(teacher, train, cfg.generate_tokens, gen_deadline, pad) + train
+        heldout = generate_answers(teacher, heldout, cfg.generate_tokens, gen_deadline, pad) or heldout
+        train = generate_answers(teacher, train, cfg.generate_tokens, gen_deadline, pad) + train
     chunks = _chunks(train, cfg.seq_len)
     log.info("%d training chunks of <= %d tokens, %d held-out texts", len(chunks), cfg.seq_len, len(heldout))
 

@@ -151,6 +151,175 @@ def matched_storage(tokens: list[int], parents: list[int], storage: list[int], n
     return out
 
 
+@dataclass(frozen=True)
+class SearchRow:
+    """One request's part in a batched tree search."""
+
+    max_nodes: int
+    max_depth: int
+    context_length: int  # salts the sampled draws: a new context, new noise
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    busy: bool = True  # False: the row rides along (batched forwards) and gets no tree
+
+
+@dataclass
+class SearchTree:
+    """A row's tree, best first (greedy) or in the static sampling order, and every candidate."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: list[float]  # path probability under the drafter
+    dists: list[tuple[list[int], list[float]]] | None  # sampled rows: the distribution of each node
+    cand_tokens: list[int]  # every candidate drafted, by candidate index
+    cand_parents: list[int]
+
+
+class TreeSearch:
+    """The level-by-level candidate bookkeeping of a batched tree search, whatever drafts the levels
+    (the draft model over its KV cache, the head over its own states): see the module doc for the
+    tree shapes. Per level: ``expand`` with the frontier's logits, then ``next_frontier`` picks the
+    nodes to draft from next; ``trees`` reads every row's tree off the device once."""
+
+    def __init__(self, rows: list[SearchRow], config: DraftConfig, seed_mix: int, device: torch.device) -> None:
+        self.rows, self.config, self.dev = rows, config, device
+        b, W, K = len(rows), config.width, config.branch
+        self.depth = max(min(r.max_depth, config.max_depth) for r in rows if r.busy)  # levels drafted
+        self.sampled = torch.tensor([r.busy and r.temperature > 0 for r in rows], device=device)  # [b]
+        self.any_sampled = any(r.busy and r.temperature > 0 for r in rows)
+        self.depth_cap = torch.tensor(
+            [min(r.max_depth, config.max_depth) if r.busy else 0 for r in rows], device=device
+        )
+        if self.any_sampled:
+            self.temp = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=device)
+            self.top_p = torch.tensor([r.top_p if 0 < r.top_p <= 1 else 1.0 for r in rows], device=device)
+            self.top_k = torch.tensor([max(r.top_k, 0) for r in rows], device=device)
+            self.seeds = torch.tensor([(r.seed ^ seed_mix) & 0x7FFFFFFFFFFFFFFF for r in rows])
+            template = torch.zeros(b, self.depth, W, dtype=torch.long)  # children per (level, frontier slot)
+            for i, r in enumerate(rows):
+                if r.busy and r.temperature > 0:
+                    counts = sampling_template(
+                        min(r.max_nodes, config.max_nodes), min(r.max_depth, config.max_depth), W, K
+                    )
+                    for d, row in enumerate(counts):
+                        template[i, d, : len(row)] = torch.tensor(row)
+            self.template = template.to(device)
+        self.F = 1  # frontier nodes per row
+        self.parent_score = torch.zeros(b, 1, device=device)  # [b, F] log path probability
+        self.frontier_cand = torch.full((b, 1), -1, dtype=torch.long, device=device)  # [b, F] candidate index
+        self.frontier_ok = torch.tensor([r.busy for r in rows], device=device)[:, None]  # [b, F]
+        self.offset = 0  # candidates before the current level
+        self.c_tok: list[torch.Tensor] = []  # per level [b, F*K]
+        self.c_score: list[torch.Tensor] = []
+        self.c_parent: list[torch.Tensor] = []
+        self.c_ok: list[torch.Tensor] = []
+        self.q_ids: list[torch.Tensor] = []  # per level [b, F, T], sampling order
+        self.q_probs: list[torch.Tensor] = []
+
+    def expand(self, logits: torch.Tensor, d: int) -> None:
+        """Level ``d``'s candidates: each frontier node's top ``branch`` children (greedy rows) or its
+        first draws without replacement (sampled rows). logits [b, F, V] of the frontier nodes."""
+        cfg, b, F, K, dev = self.config, len(self.rows), self.F, self.config.branch, self.dev
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [b, F, V]
+        cand_lp, cand_ids = lp.topk(K, dim=-1)  # [b, F, K]
+        if self.any_sampled:
+            V = logits.shape[-1]
+            q_ids, q_p = proposal_distribution(
+                logits.reshape(b * F, V),
+                self.temp.repeat_interleave(F),
+                self.top_p.repeat_interleave(F),
+                self.top_k.repeat_interleave(F),
+                cfg.q_support,
+                cfg.q_floor,
+            )  # [b*F, T]
+            T = q_ids.shape[-1]
+            counters = (torch.tensor([r.context_length for r in self.rows])[:, None, None] * 1024 + d).expand(b, F, T)
+            salts = torch.arange(F * T).repeat(b) + 1
+            u = uniform(self.seeds[:, None].expand(b, F * T).reshape(-1), counters.reshape(-1), salts).view(b * F, T)
+            order = gumbel_order(q_p, u.to(dev))  # [b*F, T]
+            q_ids = q_ids.gather(1, order).view(b, F, T)  # sampling order
+            q_p = q_p.gather(1, order).view(b, F, T)
+            self.q_ids.append(q_ids)
+            self.q_probs.append(q_p)
+            cand_ids = torch.where(self.sampled[:, None, None], q_ids[..., :K], cand_ids)
+            cand_lp = torch.where(self.sampled[:, None, None], q_p[..., :K].log(), cand_lp)
+        score = self.parent_score[:, :, None] + cand_lp  # [b, F, K]
+        ok = self.frontier_ok[:, :, None] & (d <= self.depth_cap)[:, None, None]
+        if self.any_sampled:
+            j = torch.arange(K, device=dev)
+            ok = ok & (~self.sampled[:, None, None] | (j[None, None, :] < self.template[:, d - 1, :F, None]))
+        ok = ok.expand(b, F, K)
+        self.c_tok.append(cand_ids.reshape(b, F * K))
+        self.c_score.append(score.masked_fill(~ok, float("-inf")).reshape(b, F * K))
+        self.c_parent.append(self.frontier_cand[:, :, None].expand(b, F, K).reshape(b, F * K))
+        self.c_ok.append(ok.reshape(b, F * K))
+
+    def next_frontier(self) -> torch.Tensor:
+        """The last level's candidates to draft from next: the ``width`` best by path probability
+        (greedy rows) / first draws first (sampled rows, static). Returns their indices in the level
+        [b, Wn]; ``frontier_tokens`` and ``frontier_ok`` describe them."""
+        F, K, dev = self.F, self.config.branch, self.dev
+        Wn = min(self.config.width, F * K)
+        fk = torch.arange(F * K, device=dev)
+        static_key = -((fk % K) * F + fk // K).float()  # [F*K]: child j of slot f ranks j*F + f
+        key = torch.where(self.sampled[:, None], static_key[None, :], self.c_score[-1])
+        key = key.masked_fill(~self.c_ok[-1], float("-inf"))
+        pick = key.topk(Wn, dim=-1).indices  # [b, Wn]
+        self.frontier_tokens = self.c_tok[-1].gather(1, pick)
+        self.frontier_ok = self.c_ok[-1].gather(1, pick)
+        self.parent_score = self.c_score[-1].gather(1, pick)
+        self.frontier_cand = self.offset + pick
+        self.offset += F * K
+        self.F = Wn
+        return pick
+
+    def trees(self, ids: torch.Tensor | None = None) -> list[SearchTree | None]:
+        """Every busy row's tree (idle rows: None), read off the device in one copy; ``ids`` maps
+        the logits' indices to token ids (a reduced vocabulary), None: they are the ids."""
+        b, K, dev = len(self.rows), self.config.branch, self.dev
+        tok = torch.cat(self.c_tok, 1)  # [b, M]
+        tok = tok if ids is None else ids[tok]
+        score = torch.cat(self.c_score, 1)
+        parent = torch.cat(self.c_parent, 1)
+        ok = torch.cat(self.c_ok, 1)
+        M = tok.shape[1]
+        order = torch.sort(-score, dim=1, stable=True).indices  # best first; a parent before its children
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(M, device=dev)[None].expand(b, M))
+        budget = torch.tensor([min(r.max_nodes, self.config.max_nodes) for r in self.rows], device=dev)
+        keep = ok & (self.sampled[:, None] | (rank < budget[:, None]))
+        order = torch.where(self.sampled[:, None], torch.arange(M, device=dev)[None].expand(b, M), order)
+        host = [x.cpu() for x in (tok, parent, keep, order, score)]  # the one host copy of the trees
+        tok_h, parent_h, keep_h, order_h = (x.tolist() for x in host[:4])
+        prob_h = host[4].exp().tolist()
+        if self.any_sampled:
+            q_sizes = [q.shape[1] for q in self.q_ids]
+            q_ids_h = [(q if ids is None else ids[q]).cpu().tolist() for q in self.q_ids]
+            q_p_h = [q.double().cpu().tolist() for q in self.q_probs]
+        out: list[SearchTree | None] = []
+        for i, r in enumerate(self.rows):
+            if not r.busy:
+                out.append(None)
+                continue
+            new_index: dict[int, int] = {}
+            tree = SearchTree([], [], [], [] if r.temperature > 0 else None, tok_h[i], parent_h[i])
+            for m in order_h[i]:
+                if not keep_h[i][m]:
+                    continue
+                p = parent_h[i][m]
+                new_index[m] = len(tree.tokens)
+                tree.tokens.append(tok_h[i][m])
+                tree.parents.append(new_index[p] if p >= 0 else -1)
+                tree.probs.append(min(1.0, prob_h[i][m]))
+                if tree.dists is not None:
+                    level, within = _level_of(m, q_sizes, K)
+                    f, j = divmod(within, K)
+                    tree.dists.append(sibling_distribution(q_ids_h[level][i][f], q_p_h[level][i][f], j))
+            out.append(tree)
+        return out
+
+
 # --- per-request state -----------------------------------------------------------------------
 
 
@@ -234,32 +403,22 @@ class Drafter:
         cfg, runner, dev = self.config, self.runner, self.runner.device
         b = len(states)
         S, W, K = self.storage, cfg.width, cfg.branch
-        work = [s for s, on in zip(states, busy, strict=True) if on]
-        D = max(min(s.max_depth, cfg.max_depth) for s in work)
         is_busy = torch.tensor(busy, device=dev)  # [b]
-        sampled = torch.tensor([on and s.temperature > 0 for s, on in zip(states, busy, strict=True)], device=dev)
-        any_sampled = any(on and s.temperature > 0 for s, on in zip(states, busy, strict=True))
-        max_depth = torch.tensor(
-            [min(s.max_depth, cfg.max_depth) if on else 0 for s, on in zip(states, busy, strict=True)], device=dev
-        )
         tails = [s.tail if on else [0] for s, on in zip(states, busy, strict=True)]
         ctx_h = [s.cached + (len(t) if on else 0) for s, t, on in zip(states, tails, busy, strict=True)]
+        search = TreeSearch(
+            [
+                SearchRow(s.max_nodes, s.max_depth, n, s.temperature, s.top_p, s.top_k, s.seed, on)
+                for s, n, on in zip(states, ctx_h, busy, strict=True)
+            ],
+            cfg,
+            _DRAFT_SEED_MIX,
+            dev,
+        )
         cached = torch.tensor([s.cached for s in states], device=dev)  # [b]
         tail_len = torch.tensor([len(t) for t in tails], device=dev)  # [b]
         ctx = torch.tensor(ctx_h, device=dev)  # [b] context length under each tree
         scratch = cached + S  # idle rows write here (beyond their storage)
-        if any_sampled:
-            temp = torch.tensor([max(s.temperature, 1e-5) for s in states], device=dev)
-            top_p = torch.tensor([s.top_p if 0 < s.top_p <= 1 else 1.0 for s in states], device=dev)
-            top_k = torch.tensor([s.top_k for s in states], device=dev)
-            seeds = torch.tensor([(s.seed ^ _DRAFT_SEED_MIX) & 0x7FFFFFFFFFFFFFFF for s in states])
-            template = torch.zeros(b, D, W, dtype=torch.long)  # children per (level, frontier slot)
-            for i, (s, on) in enumerate(zip(states, busy, strict=True)):
-                if on and s.temperature > 0:
-                    counts = sampling_template(min(s.max_nodes, cfg.max_nodes), min(s.max_depth, cfg.max_depth), W, K)
-                    for d, row in enumerate(counts):
-                        template[i, d, : len(row)] = torch.tensor(row)
-            template = template.to(dev)
 
         # Step 0: each row's uncached tail → the root distribution.
         P = max(len(t) for t in tails)
@@ -276,63 +435,15 @@ class Drafter:
         hidden = runner.forward(rows, ids.to(dev), pos, mask, write)  # [b, P, h]
         logits = runner.logits(hidden[torch.arange(b, device=dev), (tail_len - 1).clamp(min=0)])[:, None]  # [b, 1, V]
 
-        F = 1
-        parent_score = torch.zeros(b, 1, device=dev)  # [b, F] log path probability
-        frontier_cand = torch.full((b, 1), -1, dtype=torch.long, device=dev)  # [b, F] candidate index
-        frontier_ok = is_busy[:, None].clone()  # [b, F]
         anc = torch.zeros(b, 1, S, dtype=torch.bool, device=dev)  # [b, F, S] storage slots seen by each frontier node
-        c_tok, c_score, c_parent, c_ok, c_storage, q_ids_l, q_probs_l = [], [], [], [], [], [], []
-        offset = 0
-        for d in range(1, D + 1):
-            lp = torch.log_softmax(logits.float(), dim=-1)  # [b, F, V]
-            cand_lp, cand_ids = lp.topk(K, dim=-1)  # [b, F, K]
-            if any_sampled:
-                V = logits.shape[-1]
-                q_ids, q_p = proposal_distribution(
-                    logits.reshape(b * F, V),
-                    temp.repeat_interleave(F),
-                    top_p.repeat_interleave(F),
-                    top_k.repeat_interleave(F),
-                    cfg.q_support,
-                    cfg.q_floor,
-                )  # [b*F, T]
-                T = q_ids.shape[-1]
-                counters = (torch.tensor(ctx_h)[:, None, None] * 1024 + d).expand(b, F, T).reshape(-1)
-                salts = torch.arange(F * T).repeat(b) + 1
-                u = uniform(seeds[:, None].expand(b, F * T).reshape(-1), counters, salts).view(b * F, T)
-                order = gumbel_order(q_p, u.to(dev))  # [b*F, T]
-                q_ids = q_ids.gather(1, order).view(b, F, T)  # sampling order
-                q_p = q_p.gather(1, order).view(b, F, T)
-                q_ids_l.append(q_ids)
-                q_probs_l.append(q_p)
-                s_ids, s_lp = q_ids[..., :K], q_p[..., :K].log()
-                cand_ids = torch.where(sampled[:, None, None], s_ids, cand_ids)
-                cand_lp = torch.where(sampled[:, None, None], s_lp, cand_lp)
-            score = parent_score[:, :, None] + cand_lp  # [b, F, K]
-            ok = frontier_ok[:, :, None] & (d <= max_depth)[:, None, None]
-            if any_sampled:
-                j = torch.arange(K, device=dev)
-                ok = ok & (~sampled[:, None, None] | (j[None, None, :] < template[:, d - 1, :F, None]))
-            ok = ok.expand(b, F, K)
-            score = score.masked_fill(~ok, float("-inf"))
-            c_tok.append(cand_ids.reshape(b, F * K))
-            c_score.append(score.reshape(b, F * K))
-            c_parent.append(frontier_cand[:, :, None].expand(b, F, K).reshape(b, F * K))
-            c_ok.append(ok.reshape(b, F * K))
-            c_storage.append(torch.full((b, F * K), -1, dtype=torch.long, device=dev))
-            if d == D:
+        c_storage = []  # per level [b, F*K]: where a forwarded candidate's KV sits (-1: never forwarded)
+        for d in range(1, search.depth + 1):
+            search.expand(logits, d)
+            c_storage.append(torch.full((b, search.F * K), -1, dtype=torch.long, device=dev))
+            if d == search.depth:
                 break
-            # Next frontier: best path probability (greedy) / first draws first (sampled, static).
-            Wn = min(W, F * K)
-            fk = torch.arange(F * K, device=dev)
-            static_key = -((fk % K) * F + fk // K).float()  # [F*K]: child j of slot f ranks j*F + f
-            key = torch.where(sampled[:, None], static_key[None, :], score.reshape(b, F * K))
-            key = key.masked_fill(~ok.reshape(b, F * K), float("-inf"))
-            pick = key.topk(Wn, dim=-1).indices  # [b, Wn]
-            tokens = c_tok[-1].gather(1, pick)
-            new_ok = c_ok[-1].gather(1, pick)
-            parent_score = c_score[-1].gather(1, pick)
-            frontier_cand = offset + pick
+            pick = search.next_frontier()  # [b, Wn]
+            Wn, new_ok = search.F, search.frontier_ok
             slot_ids = (d - 1) * W + torch.arange(Wn, device=dev)  # [Wn] storage slots of this level
             c_storage[-1].scatter_(1, pick, slot_ids[None, :].expand(b, Wn).masked_fill(~new_ok, -1))
             anc = anc.gather(1, (pick // K)[:, :, None].expand(b, Wn, S)).clone()  # parents' ancestor sets
@@ -347,50 +458,20 @@ class Drafter:
             seen = anc.gather(2, rel.clamp(0, S - 1)[:, None, :].expand(b, Wn, kv_len)) & in_store[:, None, :]
             mask = ((rel < 0)[:, None, :] | seen) & new_ok[:, :, None]
             mask[:, :, 0] = True
-            hidden = runner.forward(rows, tokens, pos, mask, write)  # [b, Wn, h]
+            hidden = runner.forward(rows, search.frontier_tokens, pos, mask, write)  # [b, Wn, h]
             logits = runner.logits(hidden)  # [b, Wn, V]
-            frontier_ok = new_ok
-            offset += F * K
-            F = Wn
 
-        tok = torch.cat(c_tok, 1)  # [b, M]
-        score = torch.cat(c_score, 1)
-        parent = torch.cat(c_parent, 1)
-        ok = torch.cat(c_ok, 1)
-        storage = torch.cat(c_storage, 1)
-        M = tok.shape[1]
-        order = torch.sort(-score, dim=1, stable=True).indices  # best first; a parent before its children
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(M, device=dev)[None].expand(b, M))
-        budget = torch.tensor([min(s.max_nodes, cfg.max_nodes) for s in states], device=dev)
-        keep = ok & (sampled[:, None] | (rank < budget[:, None]))
-        order = torch.where(sampled[:, None], torch.arange(M, device=dev)[None].expand(b, M), order)
-        host = [x.cpu() for x in (tok, parent, keep, storage, order)]  # the one host copy of the trees
-        tok_h, parent_h, keep_h, storage_h, order_h = (x.tolist() for x in host)
-        if any_sampled:
-            q_sizes = [q.shape[1] for q in q_ids_l]
-            q_ids_h = [q.cpu().tolist() for q in q_ids_l]
-            q_p_h = [q.double().cpu().tolist() for q in q_probs_l]
+        storage_h = torch.cat(c_storage, 1).cpu().tolist()
         out: list[DraftTree | None] = []
-        for i, (s, on) in enumerate(zip(states, busy, strict=True)):
-            if not on:
+        for s, tree, storage in zip(states, search.trees(), storage_h, strict=True):
+            if tree is None:
                 out.append(None)
                 continue
-            new_index, tokens_i, parents_i = {}, [], []
-            dists: list[tuple[list[int], list[float]]] | None = [] if s.temperature > 0 else None
-            for m in order_h[i]:
-                if not keep_h[i][m]:
-                    continue
-                p = parent_h[i][m]
-                new_index[m] = len(tokens_i)
-                tokens_i.append(tok_h[i][m])
-                parents_i.append(new_index[p] if p >= 0 else -1)
-                if dists is not None:
-                    level, within = _level_of(m, q_sizes, K)
-                    f, j = divmod(within, K)
-                    dists.append(sibling_distribution(q_ids_h[level][i][f], q_p_h[level][i][f], j))
-            tree = DraftTree(tokens_i, parents_i, dists, tok_h[i], parent_h[i], storage_h[i], len(s.context))
-            s.cached, s.last, s.wanted = len(s.context), tree, False  # the tail is in the cache now
-            out.append(tree)
+            draft = DraftTree(
+                tree.tokens, tree.parents, tree.dists, tree.cand_tokens, tree.cand_parents, storage, len(s.context)
+            )
+            s.cached, s.last, s.wanted = len(s.context), draft, False  # the tail is in the cache now
+            out.append(draft)
         return out
 
 

@@ -9,6 +9,7 @@ independent of the target's.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import logging
@@ -240,6 +241,21 @@ class DraftServerConfig:
     branch: int = 4
 
 
+def add_tree_flags(f: ServiceFlags, d: Any, forward: str) -> None:
+    """The batched tree search's flags (``draft.TreeSearch``), defaults from ``d``'s fields of the
+    same names: shared by the draft and the head proposers."""
+    f.add("--max-batch", d.max_batch, int, f"requests drafted together in one {forward}", minimum=1)
+    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal (caps the verifier's budget)", minimum=1)
+    f.add("--max-depth", d.max_depth, int, "tree depth per proposal (caps the verifier's budget)", minimum=1)
+    f.add("--width", d.width, int, "frontier nodes expanded per level", minimum=1)
+    f.add("--branch", d.branch, int, "children per expanded node", minimum=1)
+
+
+def tree_settings(a: argparse.Namespace) -> dict[str, int]:
+    """The parsed ``add_tree_flags``, as config fields."""
+    return {k: getattr(a, k) for k in ("max_batch", "max_nodes", "max_depth", "width", "branch")}
+
+
 def build_flags() -> ServiceFlags:
     """The draft proposer's flags (``specmesh serve draft --help``)."""
     d = DraftServerConfig()
@@ -256,11 +272,7 @@ def build_flags() -> ServiceFlags:
     f.add("--dtype", None, str, "float32, bfloat16, float16; unset: float32 on CPU, bfloat16 on GPU")
     f.add("--threads", d.threads, int, "torch threads (0 = torch's default)", minimum=0)
     add_linears_flag(f)
-    f.add("--max-batch", d.max_batch, int, "requests drafted together in one forward", minimum=1)
-    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal (caps the verifier's budget)", minimum=1)
-    f.add("--max-depth", d.max_depth, int, "tree depth per proposal (caps the verifier's budget)", minimum=1)
-    f.add("--width", d.width, int, "frontier nodes expanded per level", minimum=1)
-    f.add("--branch", d.branch, int, "children per expanded node", minimum=1)
+    add_tree_flags(f, d, "forward")
     f.add("--max-context", d.max_context, int, "context tokens per request (0 = the model's maximum)", minimum=0)
     return f
 
@@ -277,11 +289,7 @@ def parse_args(argv: list[str] | None = None) -> DraftServerConfig:
         threads=a.threads,
         packed_linears=a.linears == "packed",
         max_context=a.max_context,
-        max_batch=a.max_batch,
-        max_nodes=a.max_nodes,
-        max_depth=a.max_depth,
-        width=a.width,
-        branch=a.branch,
+        **tree_settings(a),
     )
 
 

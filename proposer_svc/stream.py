@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import grpc
 
@@ -50,6 +50,15 @@ class ProposalCore(Protocol):
     def advance(self, tokens: list[int], budget: proposer_pb2.TreeBudget) -> proposer_pb2.ProposeResponse | None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class StateTaker(Protocol):
+    """A core that drafts from the target's hidden states (it asked for them in a response): the
+    stream hands it each Advance's ``HiddenStates`` before the Advance itself. ValueError = the
+    states do not fit (wrong size or dtype): the stream is refused with INVALID_ARGUMENT."""
+
+    def take_states(self, states: proposer_pb2.HiddenStates, tokens: int) -> None: ...
 
 
 # Opens a stream's core from its validated Start message (or raises StreamRefused).
@@ -296,6 +305,11 @@ class ProposeStream(proposer_pb2_grpc.ProposerServiceServicer):
         self._check_tokens("advance", tokens)
         if advance.HasField("budget"):
             s.budget = self._budget("advance.budget", advance.budget)
+        if advance.HasField("hidden_states") and isinstance(s.core, StateTaker):
+            try:
+                s.core.take_states(advance.hidden_states, len(tokens))
+            except ValueError as exc:
+                raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, f"advance.{exc}") from None
         return await self._work(s.core.advance, tokens, s.budget)
 
     async def _work(

@@ -458,6 +458,86 @@ def best_tree(matches: Matches, source: str, cfg: SuffixConfig, max_nodes: int, 
     return best
 
 
+@njit(cache=True, nogil=True)
+def _union(ta, pa, qa, tb, pb, qb, max_nodes, out_t, out_p, out_q):  # pragma: no cover - compiled
+    """Writes the union of trees a and b into the ``out_*`` arrays; returns its size (see ``union``)."""
+    cap = len(ta) + len(tb)
+    tok = np.empty(cap, np.int32)
+    par = np.empty(cap, np.int64)
+    prob = np.empty(cap, np.float64)
+    depth = np.empty(cap, np.int64)
+    n = len(ta)
+    for i in range(n):
+        tok[i], par[i], prob[i] = ta[i], pa[i], qa[i]
+        depth[i] = 1 if pa[i] < 0 else depth[pa[i]] + 1
+    where = np.empty(len(tb), np.int64)  # b's node → its node in the union
+    for j in range(len(tb)):
+        parent = -1 if pb[j] < 0 else where[pb[j]]
+        found = -1
+        for i in range(n):
+            if par[i] == parent and tok[i] == tb[j]:
+                found = i
+                break
+        if found >= 0:
+            prob[found] = max(prob[found], qb[j])
+        else:
+            found = n
+            tok[n], par[n], prob[n] = tb[j], parent, qb[j]
+            depth[n] = 1 if parent < 0 else depth[parent] + 1
+            n += 1
+        where[j] = found
+    # most probable first; ties: shallower, then a's before b's (a parent always precedes its
+    # children). Insertion sort: at most 2 × max_nodes entries.
+    order = np.arange(n)
+    for k in range(1, n):
+        i = order[k]
+        m = k - 1
+        while m >= 0 and (prob[order[m]] < prob[i] or (prob[order[m]] == prob[i] and depth[order[m]] > depth[i])):
+            order[m + 1] = order[m]
+            m -= 1
+        order[m + 1] = i
+    keep = min(n, max_nodes)
+    new_index = np.full(n, -1, np.int64)
+    for k in range(keep):
+        i = order[k]
+        new_index[i] = k
+        out_t[k], out_q[k] = tok[i], prob[i]
+        out_p[k] = -1 if par[i] < 0 else new_index[par[i]]
+    return keep
+
+
+def union(a: Proposal, b: Proposal, max_nodes: int) -> Proposal:
+    """One tree holding both trees' branches (same root), a node's probability the larger of its
+    two estimates, the most probable ``max_nodes`` kept (ancestor-closed: a child is never more
+    probable than its parent in either tree, so neither in the union).
+
+    Worked example: the request's chain 7 → 8 (1.0, 0.5) and the global tree's 7 (0.75), 5 (0.25):
+
+    >>> t = union(Proposal([7, 8], [-1, 0], [1.0, 0.5], "request", 2, 1.5),
+    ...           Proposal([7, 5], [-1, -1], [0.75, 0.25], "global", 3, 1.0), max_nodes=3)
+    >>> t.tokens, t.parents, t.probs, t.source, t.score
+    ([7, 8, 5], [-1, 0, -1], [1.0, 0.5, 0.25], 'request+global', 1.75)
+    """
+    if not a.tokens and not b.tokens:
+        return EMPTY
+    out = _TreeOut(max_nodes)
+    n = _union(
+        np.asarray(a.tokens, np.int32), np.asarray(a.parents, np.int64), np.asarray(a.probs, np.float64),
+        np.asarray(b.tokens, np.int32), np.asarray(b.parents, np.int64), np.asarray(b.probs, np.float64),
+        max_nodes, out.tokens, out.parents, out.probs,
+    )  # fmt: skip
+    probs = out.probs[:n]
+    source = f"{a.source}+{b.source}" if a.tokens and b.tokens else a.source or b.source
+    return Proposal(
+        out.tokens[:n].tolist(),
+        out.parents[:n].tolist(),
+        probs.tolist(),
+        source,
+        max(a.match_length, b.match_length),
+        float(probs.sum()),
+    )
+
+
 def merged(parts: list[Matches]) -> Matches:
     """One ``Matches`` over several sources."""
     parts = [m for m in parts if m.longest]
@@ -678,11 +758,12 @@ class SuffixRequest:
         nodes = min(max_nodes or cfg.max_nodes, cfg.max_nodes)
         depth = min(max_depth or cfg.max_depth, cfg.max_depth)
         ctx = self.context.view()
-        # One tree per source, the better scoring one sent (SuffixDecoding): a request copying its own
-        # prompt is not outvoted by the many global occurrences of a short match, nor the reverse.
+        # One tree per source, then their union (a node as probable as its likelier source says): a
+        # request copying its own prompt is not outvoted by the many global occurrences of a short
+        # match, nor the reverse, and the verifier's gate cuts the union by those probabilities.
         own = best_tree(self.context.matches(ctx, cfg), "request", cfg, nodes, depth)
         shared = best_tree(self.cache.matches(self.scope, ctx, self.key), "global", cfg, nodes, depth)
-        return shared if shared.score > own.score else own
+        return union(own, shared, nodes)
 
     def close(self) -> np.ndarray:
         return self.cache.finish(self.scope, self.key)

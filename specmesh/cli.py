@@ -57,6 +57,7 @@ SERVICES = {
     "ngram": "proposer_svc.server",
     "suffix": "proposer_svc.suffix_server",
     "draft": "proposer_svc.draft_server",
+    "head": "proposer_svc.head_server",
     "rag": "proposer_svc.rag_server",
     "gateway": "gateway_svc.server",
 }
@@ -64,6 +65,7 @@ SERVICES = {
 TOOLS: dict[str, str] = {
     "bench": "specmesh.bench.cli",
     "draft": "proposer_svc.distill",
+    "head": "proposer_svc.head_train",
     "rag": "proposer_svc.rag_cli",
 }
 TOOL_EXTRAS = {"bench": "serve,bench"}  # the pip extra each tool needs; default "serve"
@@ -96,6 +98,8 @@ def _deployment(args: argparse.Namespace):
         suffix_address=args.suffix,
         draft_address=args.draft,
         draft_model=args.draft_model,
+        head_address=args.head,
+        head_dir=args.head_dir,
         gateway_address=args.gateway,
         run_dir=Path(args.run_dir) if args.run_dir else DeploymentConfig().run_dir,
         tls=args.tls,
@@ -107,6 +111,8 @@ def _deployment(args: argparse.Namespace):
 def _up(args: argparse.Namespace) -> None:
     dep = _deployment(args)
     print("specmesh: starting services (the first start converts the default model, ~1 min)…", flush=True)
+    if args.head and not args.head_dir:
+        print("specmesh: the head proposer trains the target's cached head once on first use (~10 min)", flush=True)
     dep.start()
     for svc in dep.services:
         print(f"  {svc.name:<10} {svc.address:<22} pid {svc.proc.pid}  log {svc.log_path}", flush=True)
@@ -358,6 +364,19 @@ def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="", metavar="ADDRESS", help="also start a draft-model proposer here")
     p.add_argument("--draft-model", default=None, help="the draft's HF folder (default: the target model)")
     p.add_argument(
+        "--head",
+        default="",
+        metavar="ADDRESS",
+        help="also start a learned-head proposer here (e.g. 127.0.0.1:50065); '' = not started",
+    )
+    p.add_argument(
+        "--head-dir",
+        default="",
+        metavar="DIR",
+        help="the head's folder (`specmesh head train --out`); default: the target's cached head, trained once "
+        "on first use (minutes)",
+    )
+    p.add_argument(
         "--gateway",
         default="127.0.0.1:8000",
         metavar="ADDRESS",
@@ -412,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--target", default=DEFAULT_ADDRESS, help="verifier host:port")
     gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
-    gen.add_argument("--proposer", default="auto", help="auto, none, ngram, suffix, draft, rag")
+    gen.add_argument("--proposer", default="auto", help="auto, none, ngram, suffix, draft, head, rag")
     gen.add_argument("--num-speculative-tokens", type=int, default=0)
     _add_sampling_flags(gen)
     add_client_flags(gen)

@@ -82,6 +82,8 @@ class DeploymentConfig:
     rag_data_dir: Path | None = None  # None = $SPECMESH_RAG_DATA_DIR or <cache>/rag
     draft_address: str = ""  # e.g. 127.0.0.1:50062; "" = no draft proposer
     draft_model: str | None = None  # the draft's HF folder (default: the target itself)
+    head_address: str = ""  # the learned-head proposer, e.g. 127.0.0.1:50065; "" = none
+    head_dir: str = ""  # its head folder (`specmesh head train --out`); "" = the target's cached head
     gateway_address: str = ""  # the OpenAI-compatible HTTP gateway, e.g. 127.0.0.1:8000; "" = none
     max_running: int = 32
     redis_url: str = ""  # router statistics; "" = in the verifier process
@@ -96,6 +98,9 @@ class DeploymentConfig:
 TLS_FILES = {"ca": "tls/ca.pem", "cert": "tls/cert.pem", "key": "tls/key.pem"}
 TOKEN_FILES = {"client": "secrets/client.token", "admin": "secrets/admin.token", "proposer": "secrets/proposer.token"}
 TOKEN_FILES |= {"api_key": "secrets/gateway-api.key"}
+# The head proposer without a head folder trains one first (`specmesh serve head --train-minutes`, 10 by
+# default, generation included): its start gets this much longer.
+HEAD_TRAIN_WAIT_S = 20 * 60.0
 
 
 @dataclass
@@ -106,6 +111,7 @@ class Service:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     health_url: str = ""  # HTTP services: their health endpoint; gRPC ones use the gRPC health check
+    startup_timeout_s: float = 0.0  # how long start() waits for it to be healthy; 0 = the config's
 
 
 class LocalDeployment:
@@ -146,8 +152,19 @@ class LocalDeployment:
             draft = [*serve, "draft", "--address", config.draft_address, "--threads", "1", *tier]
             draft += ["--model", config.draft_model or config.model] if (config.draft_model or config.model) else []
             proposers.append(Service("draft", config.draft_address, draft))
-            # A draft-model proposal takes tens of ms on a CPU (an n-gram one ~1 ms): wait for it.
-            verifier_args += ["--proposer", f"draft={config.draft_address}", "--proposer-wait-ms", "200"]
+            verifier_args += ["--proposer", f"draft={config.draft_address}"]
+        if config.head_address:
+            head = [*serve, "head", "--address", config.head_address, *tier]
+            head += ["--target", config.model] if config.model else []
+            head += ["--head", config.head_dir] if config.head_dir else []
+            # Without a head folder the service trains the target's cached head once before it listens.
+            wait = config.startup_timeout_s + (0.0 if config.head_dir else HEAD_TRAIN_WAIT_S)
+            proposers.append(Service("head", config.head_address, head, startup_timeout_s=wait))
+            # It asks for the target's hidden states in its first response; the verifier sends them, no flag.
+            verifier_args += ["--proposer", f"head={config.head_address}"]
+        if config.draft_address or config.head_address:
+            # A draft-model or head proposal takes ms to tens of ms on a CPU (an n-gram one ~1 ms): wait for it.
+            verifier_args += ["--proposer-wait-ms", "200"]
         if config.model:
             verifier_args += ["--model", config.model]
         if config.redis_url:
@@ -232,7 +249,8 @@ class LocalDeployment:
                     ca = self.tls_files.get("ca")
                     wait_http_healthy(svc.health_url, self.config.startup_timeout_s, svc.proc, ca=ca)
                 else:
-                    wait_healthy(svc.address, self.config.startup_timeout_s, svc.proc, tls=self.client_tls)
+                    timeout = svc.startup_timeout_s or self.config.startup_timeout_s
+                    wait_healthy(svc.address, timeout, svc.proc, tls=self.client_tls)
         except BaseException:
             self.stop()
             for svc in self.services:

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specmesh.server import hidden as hidden_states
 from specmesh.server.model_runner import ModelRunner
+from specmesh.v1 import proposer_pb2
 from specmesh_router.cost_model import LiveStepCost
 from verifier_svc import admission
 from verifier_svc.batch_accept import accept_batch, sample_tokens
@@ -322,9 +324,12 @@ class Engine:
         last = torch.tensor([len(chunks[i]) - 1 for i in finished], device=dev)
         logits = self.runner.logits(hidden[torch.tensor(finished, device=dev), last])  # [f, vocab]
         done = [joining[i] for i in finished]
+        # The state that predicted each first token: the prompt's last, for proposers that take states.
+        n = hidden.shape[1]
+        states = self._states(hidden, done, lambda j: [finished[j] * n + len(chunks[finished[j]]) - 1])
         tokens = sample_tokens([s.req for s in done], [s.context_length for s in done], logits)
         logprobs = step_logprobs([s.req for s in done], logits, lambda j: ([j], [tokens[j]]))
-        for seq, tok, lp in zip(done, tokens, logprobs, strict=True):
+        for seq, tok, lp, state in zip(done, tokens, logprobs, states, strict=True):
             seq.verify_s += elapsed
             seq.first_token = seq.spec.last_tree = time.perf_counter()
             if self.metrics is not None:
@@ -332,7 +337,7 @@ class Engine:
             self.stats.prompt_tokens += len(seq.req.prompt_ids)
             self._append(seq, [tok], lp)
             if seq.spec.session is not None and not seq.done:
-                seq.spec.session.advance([tok])  # the proposer's context must include the first token
+                seq.spec.session.advance([tok], state)  # the proposer's context must include the first token
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """One batched forward over prefilled requests in contiguous slots: each one's pending token
@@ -364,7 +369,10 @@ class Engine:
         if self.metrics is not None:
             self.metrics.step("decode", elapsed, len(seqs) * width, len(seqs))
         emitted = self.speculation.after_step(seqs, trees, results)
-        for seq, (path, _), tokens, lp in zip(seqs, results, emitted, logprobs, strict=True):
+        # Emitted token j was predicted at its parent's row (as in ``drawn``): the pending token's
+        # state for the first, accepted node path[j - 1]'s for the rest.
+        states = self._states(hidden, seqs, lambda i: [i * width, *(i * width + 1 + k for k in results[i][0])])
+        for seq, (path, _), tokens, lp, state in zip(seqs, results, emitted, logprobs, states, strict=True):
             base = seq.length + 1  # cache slot of tree node 0
             if path != list(range(len(path))):  # keep only the accepted nodes' KV, in path order
                 self.runner.cache.gather_positions(seq.slot, torch.tensor(path, device=dev) + base, base)
@@ -374,8 +382,29 @@ class Engine:
             before = len(seq.output)
             self._append(seq, tokens, lp)
             if seq.spec.session is not None and not seq.done:
-                seq.spec.session.advance(seq.output[before:])
+                seq.spec.session.advance(seq.output[before:], state)
         self.speculation.redecide_due(seqs)
+
+    def _states(
+        self, hidden: torch.Tensor, seqs: list[Sequence], rows: Callable[[int], list[int]]
+    ) -> list[proposer_pb2.HiddenStates | None]:
+        """Per request i, rows ``rows(i)`` of the step's flattened hidden states [b·n, h], encoded for its proposer
+        where it asked for them (else None): one gather and one host copy for the whole batch."""
+        dtypes = [s.spec.session.hidden_dtype if s.spec.session is not None else None for s in seqs]
+        takers = [i for i, d in enumerate(dtypes) if d is not None]
+        out: list[proposer_pb2.HiddenStates | None] = [None] * len(seqs)
+        if not takers:
+            return out
+        wire = {hidden_states.TORCH_DTYPES[dtypes[i]] for i in takers}
+        wire_dtype = wire.pop() if len(wire) == 1 else torch.float32
+        host = hidden_states.gather_rows(hidden, [rows(i) for i in takers], wire_dtype)
+        self.stats.hidden_state_copies += 1
+        if self.metrics is not None:
+            self.metrics.hidden_copies.inc()
+            self.metrics.hidden_rows.inc(sum(len(h) for h in host))
+        for i, states in zip(takers, host, strict=True):
+            out[i] = hidden_states.encode(states, dtypes[i])
+        return out
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Add accepted tokens, stream them, and finish the request when a limit is hit."""

@@ -46,6 +46,7 @@ class LocalProposerSession:
         self._index = NgramIndex(NgramConfig(max_nodes=limits.max_nodes, max_depth=limits.max_depth))
         self._tree: Stored = None
         self.last_response = time.perf_counter()
+        self.hidden_dtype: int | None = None  # n-gram needs no hidden states
         self.advance(prompt)
 
     def take(self, context_length: int, recent: list[int] | None = None) -> TokenTree | None:
@@ -55,7 +56,7 @@ class LocalProposerSession:
     def has_tree_for(self, context_length: int) -> bool:
         return self._tree is not None and self._tree[0] == context_length
 
-    def advance(self, tokens: list[int]) -> None:
+    def advance(self, tokens: list[int], hidden: object = None) -> None:
         self._index.extend(tokens)
         toks, parents = self._index.propose(self.limits.max_nodes, self.limits.max_depth)
         self._tree = (self._index.context_length, TokenTree(toks, parents))

@@ -72,6 +72,7 @@ class GrpcProposerSession:
         self.last_response = time.perf_counter()  # liveness: any answer, even one for an old context
         self.first_reply: asyncio.Future[None] = loop.create_future()  # the first tree, or the stream's end
         self.refused: tuple[grpc.StatusCode, str] | None = None  # the proposer refused the request itself
+        self.hidden_dtype: int | None = None  # set once the proposer asks for hidden states
 
     # --- asyncio side ---------------------------------------------------------------------
     def open(self) -> None:
@@ -107,9 +108,15 @@ class GrpcProposerSession:
         return self.failed is not None or self._ended
 
     def _receive(self, resp: proposer_pb2.ProposeResponse) -> None:
+        if resp.HasField("hidden_states") and self.hidden_dtype is None:
+            dtype = resp.hidden_states.dtype
+            if dtype not in proposer_pb2.HiddenDtype.values():  # a newer or lying proposer: decode without it
+                self.fail(f"asked for hidden states in an unknown dtype ({dtype})")
+                return
+            self.hidden_dtype = dtype  # the engine reads it; one int, never torn
         t = resp.tree
         dists = [(list(d.ids), list(d.probs)) for d in t.distributions] if t.distributions else None
-        tree = TokenTree(list(t.tokens), list(t.parents), dists)
+        tree = TokenTree(list(t.tokens), list(t.parents), dists, list(t.path_probs) or None)
         try:
             validate_tree(tree, self.limits.vocab_size, self.limits.max_nodes, self.limits.max_depth)
         except InvalidTree as exc:
@@ -137,8 +144,9 @@ class GrpcProposerSession:
         got = self._tree
         return got is not None and got[0] == context_length
 
-    def advance(self, tokens: list[int]) -> None:
-        msg = proposer_pb2.ProposeRequest(advance=proposer_pb2.ProposeAdvance(accepted_token_ids=tokens))
+    def advance(self, tokens: list[int], hidden: proposer_pb2.HiddenStates | None = None) -> None:
+        advance = proposer_pb2.ProposeAdvance(accepted_token_ids=tokens, hidden_states=hidden)
+        msg = proposer_pb2.ProposeRequest(advance=advance)
         self.loop.call_soon_threadsafe(self._outbox.put_nowait, msg)
 
     def fail(self, reason: str) -> None:
@@ -178,7 +186,7 @@ def serve_tree(got: Stored, context_length: int, recent: list[int] | None) -> tu
     >>> serve_tree((10, t), 10, None)[0] is t
     True
     >>> serve_tree((10, t), 11, [9, 5])
-    (TokenTree(tokens=[6], parents=[-1], dists=None), None)
+    (TokenTree(tokens=[6], parents=[-1], dists=None, probs=None), None)
     >>> serve_tree((10, t), 11, None)[0] is None
     True
     """

@@ -23,7 +23,7 @@ MAX_SCOPE_CHARS = 128  # a cache_scope: room for the gateway's 17-character tena
 # The client's request_id is a label only (echoed in every response chunk, logged; the engine files
 # requests under keys of its own): a longer one is refused, as one that would not print on one line.
 MAX_REQUEST_ID_CHARS = 256
-BUILTIN_PROPOSERS = ("ngram", "suffix", "draft", "rag")
+BUILTIN_PROPOSERS = ("ngram", "suffix", "draft", "rag", "head")
 
 
 class InvalidRequest(ValueError):

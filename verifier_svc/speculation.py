@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from specmesh.server.tree import TokenTree, depths, follow, truncate
+from specmesh.v1 import proposer_pb2
 from specmesh_router.cost_model import LiveStepCost, choose_width
 from specmesh_router.estimate import RequestEstimate, expected_accepted, levels_sample
 from specmesh_router.stats import AcceptanceStats
@@ -51,12 +52,14 @@ class ProposerSession(Protocol):
     failed: str | None  # why the stream failed; None while it works
     invalid_trees: int
     last_response: float  # perf_counter of its last answer (liveness)
+    # The dtype the proposer asked its hidden states in (``HiddenStateRequest``); None: it takes none.
+    hidden_dtype: int | None
 
     def take(self, context_length: int, recent: list[int] | None = None) -> TokenTree | None: ...
 
     def has_tree_for(self, context_length: int) -> bool: ...
 
-    def advance(self, tokens: list[int]) -> None: ...
+    def advance(self, tokens: list[int], hidden: proposer_pb2.HiddenStates | None = None) -> None: ...
 
     def fail(self, reason: str) -> None: ...
 
@@ -121,21 +124,42 @@ class SpecState:
         return AcceptanceStats.of_step(len(shadow.tree), shadow.matched + levels, rejected)
 
 
-def expected_by_width(alphas: Sequence[float], parents: list[int]) -> list[float]:
-    """Expected accepted tokens when a tree is cut to its first w - 1 nodes, for each w: the chain
-    model Σ_{d=1..r} Π_{j≤d} α_j for the depth r the cut tree reaches (``alphas[d - 1]`` = α_d;
-    deeper than ``alphas``, the last one repeats).
+def expected_by_width(alphas: Sequence[float], parents: list[int], probs: list[float] | None = None) -> list[float]:
+    """Expected accepted tokens when a tree is cut to its first w - 1 nodes, for each w
+    (``alphas[d - 1]`` = α_d, the request's acceptance at depth d; deeper, the last one repeats).
+
+    Without ``probs``: the chain model Σ_{d=1..r} Π_{j≤d} α_j for the depth r the cut tree reaches
+    (siblings add nothing). With the proposer's path probabilities: α_d is shared among siblings in
+    proportion to the proposer's conditional q_i = p_i / p_parent, so a node is accepted with
+    P(i) = P(parent) · α_d · q_i / Σ_siblings q, and E(w) = Σ_{i<w} P(i). A chain (q = 1) gives the
+    chain model back; a sibling the proposer rates low adds little, so the gate cuts it first.
 
     >>> [round(e, 2) for e in expected_by_width([0.5], [-1, 0, -1])]  # a chain of 2 and a sibling
     [0.0, 0.5, 0.75, 0.75]
+    >>> [round(e, 2) for e in expected_by_width([0.8, 0.5], [-1, 0, -1], [0.75, 0.5, 0.25])]
+    [0.0, 0.6, 0.9, 1.1]
     """
     d = depths(parents)
-    reach = max(d, default=0)
-    chain = expected_accepted([*alphas[:reach], *[alphas[-1]] * (reach - len(alphas))])
-    out, r = [0.0], 0
-    for di in d:
-        r = max(r, di)
-        out.append(chain[r])
+    if probs is None:
+        reach = max(d, default=0)
+        chain = expected_accepted([*alphas[:reach], *[alphas[-1]] * (reach - len(alphas))])
+        out, r = [0.0], 0
+        for di in d:
+            r = max(r, di)
+            out.append(chain[r])
+        return out
+    above = [1.0 if par < 0 else probs[par] for par in parents]  # the parent's path probability
+    cond = [min(1.0, p / a) if a > 0 else 0.0 for p, a in zip(probs, above, strict=True)]
+    mass: dict[int, float] = {}  # parent → Σ q of its children in the tree
+    for q, par in zip(cond, parents, strict=True):
+        mass[par] = mass.get(par, 0.0) + q
+    accepted: list[float] = []  # P(node i accepted)
+    out = [0.0]
+    for q, par, di in zip(cond, parents, d, strict=True):
+        alpha = alphas[di - 1] if di <= len(alphas) else alphas[-1]
+        share = q / mass[par] if mass[par] > 0 else 0.0
+        accepted.append((accepted[par] if par >= 0 else 1.0) * alpha * share)
+        out.append(out[-1] + accepted[-1])
     return out
 
 
@@ -213,7 +237,7 @@ class SpeculationControl:
     def _gate(self, seqs: list[Sequence], trees: list[TokenTree]) -> list[TokenTree]:
         """Cut every tree to the batch's best step width (maybe 1: no speculation this step)."""
         expected = [
-            expected_by_width(seq.spec.estimate.alphas(max(depths(tree.parents), default=1)), tree.parents)
+            expected_by_width(seq.spec.estimate.alphas(max(depths(tree.parents), default=1)), tree.parents, tree.probs)
             for seq, tree in zip(seqs, trees, strict=True)
         ]
         width = choose_width(expected, self.step_cost)

@@ -3,6 +3,7 @@
     specmesh bench --limit 2 --max-tokens 64 --concurrency 1,8
     specmesh bench --target 10.0.0.5:50051 --modes plain,ngram,auto --categories code_edit,rag
     specmesh bench --target http://10.0.0.5:8000/v1 --also-grpc 10.0.0.5:50051 --modes plain,ngram
+    specmesh bench --modes plain,ngram,head,auto --head DIR   # DIR: `specmesh head train --out DIR`
     specmesh bench --mix --modes plain,ngram,suffix,auto --concurrency 1,8 --limit 20 \
         --workload workloads/specbench_dev_measured.jsonl --warmup-workload workloads/specbench_dev_warmup.jsonl
 
@@ -23,7 +24,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 
@@ -54,6 +55,9 @@ from specmesh.bench.runner import (
 from specmesh.bench.workload import DEFAULT_WORKLOAD, BenchPrompt, load_prompts, second_turns, warmup_conflicts
 from specmesh.client import Client
 from specmesh.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specmesh.deploy import DeploymentConfig
 
 DEFAULT_MODES = "plain,ngram,ngram-local,suffix,auto,oracle,hf-greedy,hf-pld"
 # Proposers the local deployment adds for the benchmark itself; `auto` never picks them.
@@ -113,8 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "workloads/specbench_dev_measured.jsonl) that warm the caches learning from past outputs: each measured "
         "run (mode, sampling, concurrency) of a mode that learns (suffix, auto) has a cache scope of its own, and "
         "these prompts' first turns go through it first: untimed, not recorded, greedy, --max-tokens, at the "
-        "highest --concurrency. Modes that learn nothing (plain, ngram, ngram-local, draft, rag, oracle, hf-*) get "
-        "no warm-up. Same --categories. Refused if it shares a row id or a prompt text with the measured prompts",
+        "highest --concurrency. Modes that learn nothing (plain, ngram, ngram-local, draft, head, rag, oracle, "
+        "hf-*) get no warm-up. Same --categories. Refused if it shares a row id or a prompt text with the measured "
+        "prompts",
     )
     p.add_argument(
         "--warmup-limit",
@@ -155,6 +160,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--draft-model", default="", help="local deployment: start a draft proposer with this HF folder")
     p.add_argument(
+        "--head",
+        default="",
+        metavar="DIR",
+        help="local deployment: start a head proposer with this head folder (`specmesh head train --out`)",
+    )
+    p.add_argument(
         "--verifier-arg",
         action="append",
         default=[],
@@ -168,6 +179,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(ALL_MODES)})")
     if "plain" not in _csv(a.modes):
         p.error("--modes must include plain: every speed-up and losslessness check is against it")
+    if "head" in _csv(a.modes) and not (a.head or a.target):
+        p.error("--modes head: give --head DIR, the head folder the local deployment serves (`specmesh head train`)")
     bad = [s for s in _csv(a.sampling) if s not in ("greedy", "sampled")]
     if bad:
         p.error(f"--sampling: unknown {', '.join(bad)}")
@@ -309,33 +322,11 @@ def main(argv: list[str] | None = None) -> None:
         elif a.target:
             address = a.target
         else:
-            from specmesh.deploy import DeploymentConfig, LocalDeployment, free_port
+            from specmesh.deploy import LocalDeployment
 
             oracle = stack.enter_context(OracleServer())
-            ngram = f"127.0.0.1:{free_port()}"
-            suffix = f"127.0.0.1:{free_port()}" if any(m in ("suffix", "auto") for m in modes) else ""
-            extra = ["--proposer", "ngram-local=inprocess:ngram", "--proposer", f"oracle={oracle.address}"]
-            tiers = {"suffix": suffix, "rag": a.rag, "draft": a.draft_model}  # what `auto` may pick besides ngram
-            auto = ",".join(["ngram", *(name for name, started in tiers.items() if started)])
-            extra += ["--auto-proposers", auto, *a.verifier_arg]
             run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specmesh-bench-")))
-            dep = LocalDeployment(
-                DeploymentConfig(
-                    model=str(model_path),
-                    verifier_address=f"127.0.0.1:{free_port()}",
-                    verifier_threads=a.threads,
-                    ngram_address=ngram,
-                    suffix_address=suffix,
-                    rag_address=f"127.0.0.1:{free_port()}" if a.rag else "",
-                    rag_data_dir=run_dir / "rag" if a.rag else None,
-                    draft_address=f"127.0.0.1:{free_port()}" if a.draft_model else "",
-                    draft_model=a.draft_model or None,
-                    extra_verifier_args=tuple(extra),
-                    run_dir=run_dir,
-                    tls=a.tls,
-                    auth=a.auth,
-                )
-            )
+            dep = LocalDeployment(local_deployment(a, modes, str(model_path), oracle.address, run_dir))
             print("bench: starting the local deployment …", file=sys.stderr)
             stack.enter_context(dep)
             address = dep.verifier_address
@@ -424,6 +415,47 @@ def main(argv: list[str] | None = None) -> None:
     if failures:
         print(f"bench: LOSSLESSNESS FAILURE in {len(failures)} request(s); see summary.md", file=sys.stderr)
         sys.exit(1)
+
+
+def local_deployment(
+    a: argparse.Namespace, modes: list[str], model: str, oracle: str, run_dir: Path
+) -> DeploymentConfig:
+    """The ``DeploymentConfig`` of the local deployment a run without ``--target`` starts: n-gram, the
+    tiers its modes and flags ask for (suffix for suffix/auto, ``--rag``, ``--draft-model``, ``--head``),
+    and the bench-only proposers (``ngram-local``, the ``oracle`` at ``oracle``), which ``auto`` never picks.
+
+    >>> a = parse_args(["--modes", "plain,ngram,head,auto", "--head", "heads/h"])
+    >>> cfg = local_deployment(a, _csv(a.modes), "m", "127.0.0.1:1", Path("/tmp/run"))
+    >>> cfg.head_dir, bool(cfg.head_address), bool(cfg.suffix_address), bool(cfg.draft_address)
+    ('heads/h', True, True, False)
+    >>> cfg.extra_verifier_args[cfg.extra_verifier_args.index("--auto-proposers") + 1]
+    'ngram,suffix,head'
+    """
+    from specmesh.deploy import DeploymentConfig, free_port
+
+    ngram = f"127.0.0.1:{free_port()}"
+    suffix = f"127.0.0.1:{free_port()}" if any(m in ("suffix", "auto") for m in modes) else ""
+    extra = ["--proposer", "ngram-local=inprocess:ngram", "--proposer", f"oracle={oracle}"]
+    tiers = {"suffix": suffix, "rag": a.rag, "draft": a.draft_model, "head": a.head}  # `auto` may pick, besides ngram
+    auto = ",".join(["ngram", *(name for name, started in tiers.items() if started)])
+    extra += ["--auto-proposers", auto, *a.verifier_arg]
+    return DeploymentConfig(
+        model=model,
+        verifier_address=f"127.0.0.1:{free_port()}",
+        verifier_threads=a.threads,
+        ngram_address=ngram,
+        suffix_address=suffix,
+        rag_address=f"127.0.0.1:{free_port()}" if a.rag else "",
+        rag_data_dir=run_dir / "rag" if a.rag else None,
+        draft_address=f"127.0.0.1:{free_port()}" if a.draft_model else "",
+        draft_model=a.draft_model or None,
+        head_address=f"127.0.0.1:{free_port()}" if a.head else "",
+        head_dir=a.head,
+        extra_verifier_args=tuple(extra),
+        run_dir=run_dir,
+        tls=a.tls,
+        auth=a.auth,
+    )
 
 
 def _http_target(a: argparse.Namespace, modes: list[str], prompts: list[BenchPrompt]) -> HttpTarget:

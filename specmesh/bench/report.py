@@ -483,7 +483,7 @@ def transport_markdown(rows: list[TransportRow]) -> list[str]:
     return [*lines, ""]
 
 
-_MODE_RANK = {m: i for i, m in enumerate(("plain", "ngram", "ngram-local", "suffix", "draft", "rag", "auto",
+_MODE_RANK = {m: i for i, m in enumerate(("plain", "ngram", "ngram-local", "suffix", "draft", "rag", "head", "auto",
                                           "oracle", "hf-greedy", "hf-pld"))}  # fmt: skip
 
 

@@ -40,6 +40,7 @@ SERVICE_MODES = {
     "ngram-local": "ngram-local",  # same algorithm inside the verifier: the pipeline-overhead baseline
     "suffix": "suffix",  # learns from the outputs of past requests (of the same cache_scope)
     "draft": "draft",
+    "head": "head",  # the learned head over the target's hidden states
     "rag": "rag",
     "auto": "auto",
     "oracle": "oracle",
@@ -47,7 +48,7 @@ SERVICE_MODES = {
 HF_MODES = ("hf-greedy", "hf-pld")
 ALL_MODES = (*SERVICE_MODES, *HF_MODES)
 # Modes whose proposer learns from the outputs it sees: each measured run gets its own cache scope
-# and the warm-up; the others (plain, ngram, ngram-local, draft, rag, oracle, hf-*) learn nothing.
+# and the warm-up; the others (plain, ngram, ngram-local, draft, head, rag, oracle, hf-*) learn nothing.
 LEARNING_MODES = ("suffix", "auto")
 
 

@@ -182,6 +182,15 @@ class VerifierMetrics:
             ["proposer", "reason", *m],
             registry=r,
         )
+        self.hidden_copies = Counter(
+            "specmesh_hidden_state_copies",
+            "Host copies of hidden states for proposers that take them (one per step for the whole batch)",
+            m,
+            registry=r,
+        ).labels(model)
+        self.hidden_rows = Counter(
+            "specmesh_hidden_state_rows", "Hidden-state rows sent to proposers (one per appended token)", m, registry=r
+        ).labels(model)
         self.running = Gauge("specmesh_running_requests", "Requests in the running batch", m, registry=r)
         self.waiting = Gauge("specmesh_waiting_requests", "Requests admitted, not yet running", m, registry=r)
         self.kv_bytes = Gauge("specmesh_kv_cache_bytes", "KV cache memory allocated", m, registry=r)

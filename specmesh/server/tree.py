@@ -18,6 +18,9 @@ class TokenTree:
     parents: list[int]
     # Per node (ids, probs): the sparse distribution the node was sampled from; None = deterministic.
     dists: list[tuple[list[int], list[float]]] | None = None
+    # Per node: the proposer's estimate that the node's whole path is accepted (``path_probs``);
+    # None = no estimate. Only the width gate reads it, never acceptance.
+    probs: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -42,22 +45,30 @@ def depths(parents: list[int]) -> list[int]:
 def truncate(tree: TokenTree, n: int) -> TokenTree:
     """The first ``n`` nodes: still a tree, since parents precede children.
 
-    >>> truncate(TokenTree([4, 5, 6], [-1, 0, -1]), 2)
-    TokenTree(tokens=[4, 5], parents=[-1, 0], dists=None)
+    >>> truncate(TokenTree([4, 5, 6], [-1, 0, -1], probs=[0.9, 0.6, 0.1]), 2)
+    TokenTree(tokens=[4, 5], parents=[-1, 0], dists=None, probs=[0.9, 0.6])
     """
     if n >= len(tree):
         return tree
-    return TokenTree(tree.tokens[:n], tree.parents[:n], tree.dists[:n] if tree.dists is not None else None)
+    return TokenTree(
+        tree.tokens[:n],
+        tree.parents[:n],
+        tree.dists[:n] if tree.dists is not None else None,
+        tree.probs[:n] if tree.probs is not None else None,
+    )
 
 
 def rebase(tree: TokenTree, tokens: list[int]) -> TokenTree | None:
     """The part of ``tree`` below the path spelled by ``tokens`` (which the context has since
     gained), re-rooted: a proposal that arrived a step late is still good where it guessed right.
-    None when the path leaves the tree. Only for deterministic trees (greedy requests).
+    None when the path leaves the tree. Only for deterministic trees (greedy requests). Path
+    probabilities become conditional on the new root.
 
     >>> t = TokenTree([5, 6, 7, 8, 9], [-1, 0, 1, 0, -1])   # 5→6→7, 5→8, 9
     >>> rebase(t, [5, 6])
-    TokenTree(tokens=[7], parents=[-1], dists=None)
+    TokenTree(tokens=[7], parents=[-1], dists=None, probs=None)
+    >>> rebase(TokenTree([5, 6, 8], [-1, 0, 0], probs=[0.8, 0.4, 0.2]), [5]).probs
+    [0.5, 0.25]
     >>> rebase(t, [5]).parents, rebase(t, [5]).tokens
     ([-1, 0, -1], [6, 7, 8])
     >>> rebase(t, [4]) is None
@@ -74,7 +85,11 @@ def rebase(tree: TokenTree, tokens: list[int]) -> TokenTree | None:
         if p == node or p in keep:
             keep[i] = len(parents)
             parents.append(-1 if p == node else keep[p])
-    return TokenTree([tree.tokens[i] for i in keep], parents)
+    probs = None
+    if tree.probs is not None:
+        base = tree.probs[node] if node >= 0 else 1.0
+        probs = [min(1.0, tree.probs[i] / base) if base > 0 else 0.0 for i in keep]
+    return TokenTree([tree.tokens[i] for i in keep], parents, probs=probs)
 
 
 def follow(tree: TokenTree, node: int, tokens: list[int]) -> tuple[int, int, bool | None]:
@@ -137,6 +152,11 @@ def validate_tree(tree: TokenTree, vocab_size: int, max_nodes: int, max_depth: i
             mass = dict(zip(ids, probs, strict=True)).get(tree.tokens[i], 0.0)
             if mass <= 0:
                 raise InvalidTree(f"node {i}: token {tree.tokens[i]} has zero proposal probability")
+    if tree.probs is not None:
+        if len(tree.probs) != n:
+            raise InvalidTree(f"{len(tree.probs)} path probabilities for {n} nodes")
+        if any(not 0 <= p <= 1 for p in tree.probs):  # NaN fails too
+            raise InvalidTree("path probabilities must lie in [0, 1]")
     return d
 
 

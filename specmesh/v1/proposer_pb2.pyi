@@ -1,10 +1,22 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class HiddenDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HIDDEN_DTYPE_UNSPECIFIED: _ClassVar[HiddenDtype]
+    HIDDEN_DTYPE_FLOAT16: _ClassVar[HiddenDtype]
+    HIDDEN_DTYPE_BFLOAT16: _ClassVar[HiddenDtype]
+    HIDDEN_DTYPE_FLOAT32: _ClassVar[HiddenDtype]
+HIDDEN_DTYPE_UNSPECIFIED: HiddenDtype
+HIDDEN_DTYPE_FLOAT16: HiddenDtype
+HIDDEN_DTYPE_BFLOAT16: HiddenDtype
+HIDDEN_DTYPE_FLOAT32: HiddenDtype
 
 class VocabIdentity(_message.Message):
     __slots__ = ("vocab_size", "tokenizer_hash", "eos_token_ids")
@@ -58,13 +70,31 @@ class ProposeStart(_message.Message):
     cache_scope: str
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[TreeBudget, _Mapping]] = ..., sampling: _Optional[_Union[ProposalSampling, _Mapping]] = ..., vocab: _Optional[_Union[VocabIdentity, _Mapping]] = ..., target_model: _Optional[str] = ..., workload_tag: _Optional[str] = ..., corpus: _Optional[str] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
+class HiddenStateRequest(_message.Message):
+    __slots__ = ("dtype",)
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: HiddenDtype
+    def __init__(self, dtype: _Optional[_Union[HiddenDtype, str]] = ...) -> None: ...
+
+class HiddenStates(_message.Message):
+    __slots__ = ("dtype", "hidden_size", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: HiddenDtype
+    hidden_size: int
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[HiddenDtype, str]] = ..., hidden_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class ProposeAdvance(_message.Message):
-    __slots__ = ("accepted_token_ids", "budget")
+    __slots__ = ("accepted_token_ids", "budget", "hidden_states")
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
     budget: TreeBudget
-    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[TreeBudget, _Mapping]] = ...) -> None: ...
+    hidden_states: HiddenStates
+    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[TreeBudget, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
 
 class ProposeEnd(_message.Message):
     __slots__ = ()
@@ -101,9 +131,11 @@ class TokenTree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[NodeDistribution, _Mapping]]] = ..., path_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("context_length", "tree")
+    __slots__ = ("context_length", "tree", "hidden_states")
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     context_length: int
     tree: TokenTree
-    def __init__(self, context_length: _Optional[int] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ...) -> None: ...
+    hidden_states: HiddenStateRequest
+    def __init__(self, context_length: _Optional[int] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStateRequest, _Mapping]] = ...) -> None: ...

@@ -1,11 +1,12 @@
 """The Kubernetes manifests (k8s/) and the image (Dockerfile), checked offline: no cluster, no network.
 
-Each kustomization is rendered with the kubectl that the dev extra installs (``kubectl kustomize``)
-and every object is validated against the Kubernetes OpenAPI schemas in strict mode
-(``kubernetes-validate``). Then what a schema cannot see: every flag the containers pass exists in
-the real CLI, environment references resolve, Services, probes and ports line up with the
-commands, NetworkPolicies admit exactly the intended flows, pods meet the restricted Pod Security
-Standard, the autoscalers read metrics the services export, and the image agrees with all of it.
+Each kustomization is rendered with the kubectl that the dev extra installs (``kubectl kustomize``),
+as it is and with the optional head proposer (k8s/components/head) enabled in it, and every object
+is validated against the Kubernetes OpenAPI schemas in strict mode (``kubernetes-validate``). Then
+what a schema cannot see: every flag the containers pass exists in the real CLI, environment
+references resolve, Services, probes and ports line up with the commands, NetworkPolicies admit
+exactly the intended flows, pods meet the restricted Pod Security Standard, the autoscalers read
+metrics the services export, and the image agrees with all of it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu")
+OVERLAYS = ("overlays/cpu", "overlays/gpu")
+# The optional head proposer: a component (k8s/components/head), in no kustomization by default.
+# "FOLDER+head" names FOLDER with it enabled inside, as k8s/README.md says (the overlays' commented
+# `components:` entry uncommented); every check below runs on those too.
+HEAD = "components/head"
+HEAD_ENTRY = "# components:\n#   - ../../components/head\n"  # in the overlays' kustomization.yaml
+WITH_HEAD = tuple(f"{k}+head" for k in KUSTOMIZATIONS)
+ALL = KUSTOMIZATIONS + WITH_HEAD
 # Oldest Kubernetes the manifests target (preStop `sleep` is on by default from 1.30) and the newest schema.
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 NAMESPACE = "specmesh"
@@ -39,6 +49,7 @@ COMMANDS = (
     ("serve", "ngram"),
     ("serve", "suffix"),
     ("serve", "draft"),
+    ("serve", "head"),
     ("serve", "rag"),
     ("serve", "gateway"),
     ("rag", "ingest"),
@@ -46,9 +57,9 @@ COMMANDS = (
 # How many --grace periods a service's SIGTERM drain can take: one each. The verifier's wait for
 # running requests and the gRPC server's stop share one deadline (specmesh/server/serving.py); the gateway
 # lets in-flight responses finish within --grace.
-DRAIN_GRACE_PERIODS = {"verifier": 1, "ngram": 1, "suffix": 1, "draft": 1, "rag": 1, "gateway": 1}
+DRAIN_GRACE_PERIODS = {"verifier": 1, "ngram": 1, "suffix": 1, "draft": 1, "head": 1, "rag": 1, "gateway": 1}
 HTTP_SERVICES = ("gateway",)  # `specmesh serve` tiers that speak HTTP (probes httpGet/tcpSocket, not gRPC)
-MODEL_LOADING = ("verifier", "draft")  # startup probes need a long budget
+MODEL_LOADING = ("verifier", "draft", "head")  # startup probes need a long budget
 # Environment variables of libraries the services use (not SpecMesh's own), each with the module that reads it.
 LIBRARY_ENV = {"NUMBA_CACHE_DIR": "numba.core.config"}
 NUMBA_COMMANDS = (("serve", "suffix"),)  # commands that compile numba kernels (cache=True) at start
@@ -66,13 +77,45 @@ def kubectl() -> str:
     return str(kubectl_path())
 
 
+def has_head(kustomization: str) -> bool:
+    return kustomization.endswith("+head")
+
+
+def present(kustomization: str, tiers) -> tuple[str, ...]:
+    """``tiers`` without the head unless ``kustomization`` enables it."""
+    return tuple(t for t in tiers if t != "head" or has_head(kustomization))
+
+
+def kustomize(path: Path, what: str) -> tuple[dict[str, Any], ...]:
+    out = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize {what} failed:\n{out.stderr}"
+    return tuple(obj for obj in yaml.safe_load_all(out.stdout) if obj)
+
+
+def k8s_copy(tmp: str, kustomization: str) -> Path:
+    """A copy of k8s/ in ``tmp``; the folder of ``kustomization`` in it, with the head enabled for FOLDER+head."""
+    tree = Path(tmp) / "k8s"
+    shutil.copytree(K8S, tree)
+    folder, _, extra = kustomization.partition("+")
+    if extra:
+        assert extra == "head", kustomization
+        path = tree / folder / "kustomization.yaml"
+        text = path.read_text()
+        if folder == "base":  # no entry to uncomment: the base is not deployed by itself
+            text += f"\ncomponents:\n  - ../{HEAD}\n"
+        else:
+            assert HEAD_ENTRY in text, f"k8s/{folder}/kustomization.yaml: no commented `components:` entry for the head"
+            text = text.replace(HEAD_ENTRY, HEAD_ENTRY.replace("# ", ""))
+        path.write_text(text)
+    return tree / folder
+
+
 @functools.cache
 def render(kustomization: str) -> tuple[dict[str, Any], ...]:
-    out = subprocess.run(
-        [kubectl(), "kustomize", str(K8S / kustomization)], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, f"kubectl kustomize {kustomization} failed:\n{out.stderr}"
-    return tuple(obj for obj in yaml.safe_load_all(out.stdout) if obj)
+    if not has_head(kustomization):
+        return kustomize(K8S / kustomization, kustomization)
+    with tempfile.TemporaryDirectory() as tmp:
+        return kustomize(k8s_copy(tmp, kustomization), kustomization)
 
 
 def objects(kustomization: str, kind: str) -> dict[str, dict[str, Any]]:
@@ -167,18 +210,20 @@ def validate(obj: dict[str, Any], version: str, strict: bool = True) -> None:
     kubernetes_validate.validate(obj, version, strict=strict)
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_every_kustomization_renders_the_whole_deployment(kustomization):
     kinds = {(o["kind"], o["metadata"]["name"]) for o in render(kustomization)}
-    for name in ("verifier", "gateway", "ngram", "suffix", "draft", "rag", "redis"):
+    for name in present(kustomization, ("verifier", "gateway", "ngram", "suffix", "draft", "head", "rag", "redis")):
         assert ("Deployment", name) in kinds
-    for kind, name in [("Job", "rag-ingest"), ("PersistentVolumeClaim", "rag-data"), ("Namespace", NAMESPACE)]:
+    pvcs = [("PersistentVolumeClaim", "rag-data")] + [("PersistentVolumeClaim", "head-data")] * has_head(kustomization)
+    for kind, name in [("Job", "rag-ingest"), *pvcs, ("Namespace", NAMESPACE)]:
         assert (kind, name) in kinds
     assert all(o["metadata"].get("namespace", NAMESPACE) == NAMESPACE for o in render(kustomization))
+    assert all(o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "specmesh" for o in render(kustomization))
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_every_rendered_object_validates_strictly_against_the_openapi_schema(kustomization, version):
     import kubernetes_validate
 
@@ -236,7 +281,7 @@ def cli_help(cmd: tuple[str, ...]) -> str:
 
 
 def test_every_container_runs_a_known_specmesh_command():
-    for kustomization in KUSTOMIZATIONS:
+    for kustomization in ALL:
         for name, _, c in specmesh_containers(kustomization):
             assert command(c) in COMMANDS, f"{kustomization} {name}: unexpected command {c['args'][:2]}"
 
@@ -245,7 +290,7 @@ def test_every_container_runs_a_known_specmesh_command():
 def test_every_flag_the_manifests_pass_exists_in_the_cli(cmd):
     flags = {
         flag
-        for kustomization in KUSTOMIZATIONS
+        for kustomization in ALL
         for _, _, c in specmesh_containers(kustomization)
         if command(c) == cmd
         for flag in flag_values(c["args"][2:])
@@ -268,7 +313,7 @@ def test_every_specmesh_environment_variable_of_the_manifests_and_the_image_is_r
     assert {"SPECMESH_CACHE_DIR", "SPECMESH_MODEL"} <= image
     assert not [n for n in image if not read(n, COMMANDS)]
     seen = set()
-    for kustomization in KUSTOMIZATIONS:
+    for kustomization in ALL:
         for name, _, c in specmesh_containers(kustomization):
             for e in c.get("env", []):
                 if e["name"].startswith("SPECMESH_"):
@@ -279,7 +324,7 @@ def test_every_specmesh_environment_variable_of_the_manifests_and_the_image_is_r
     assert "SPECMESH_REDIS_URL" in seen
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_environment_references_resolve_and_no_variable_is_unused(kustomization):
     for name, template in pod_templates(kustomization):
         for c in template["spec"]["containers"]:
@@ -303,7 +348,7 @@ def test_every_library_variable_the_manifests_set_is_read_by_that_library():
 
     seen = {
         e["name"]
-        for kustomization in KUSTOMIZATIONS
+        for kustomization in ALL
         for _, _, c in specmesh_containers(kustomization)
         for e in c.get("env", [])
         if e["name"] in LIBRARY_ENV
@@ -322,14 +367,14 @@ def test_servers_close_connections_so_clients_re_resolve_new_replicas():
     assert dict(SERVER_OPTIONS).get("grpc.max_connection_age_ms", 0) > 0
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_verifier_dials_every_proposer_tier_through_its_headless_service(kustomization):
     deployments, services = objects(kustomization, "Deployment"), objects(kustomization, "Service")
     verifier = deployments["verifier"]["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in verifier["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     proposers = dict(p.split("=", 1) for p in flag_values(verifier["args"])["--proposer"])
-    assert set(proposers) == {"ngram", "suffix", "draft", "rag"}
+    assert set(proposers) == set(present(kustomization, ("ngram", "suffix", "draft", "head", "rag")))
     for name, address in proposers.items():
         m = re.fullmatch(r"dns:///([a-z0-9-]+)\.\$\(POD_NAMESPACE\)\.svc\.cluster\.local:(\d+)", address)
         assert m, f"--proposer {name}={address}: want dns:///<service>.$(POD_NAMESPACE).svc.cluster.local:<port>"
@@ -343,7 +388,7 @@ def test_verifier_dials_every_proposer_tier_through_its_headless_service(kustomi
         assert svc_port["targetPort"] in {p["name"] for p in container["ports"] if p["containerPort"] == port}
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_gateway_dials_the_verifiers_through_their_headless_service(kustomization):
     deployments, services = objects(kustomization, "Deployment"), objects(kustomization, "Service")
     gateway = deployments["gateway"]["spec"]["template"]["spec"]["containers"][0]
@@ -366,7 +411,7 @@ def test_gateway_dials_the_verifiers_through_their_headless_service(kustomizatio
     assert all("nodePort" not in p for p in gw_svc["ports"])
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_every_selector_and_target_port_finds_its_pods(kustomization):
     templates = dict(pod_templates(kustomization))
     labels = {name: t["metadata"]["labels"] for name, t in templates.items()}
@@ -390,11 +435,12 @@ SERVES = {  # readiness service name: what each process registers with the healt
     "ngram": ("specmesh.v1.proposer_pb2", "ProposerService"),
     "suffix": ("specmesh.v1.proposer_pb2", "ProposerService"),
     "draft": ("specmesh.v1.proposer_pb2", "ProposerService"),
+    "head": ("specmesh.v1.proposer_pb2", "ProposerService"),
     "rag": ("specmesh.v1.proposer_pb2", "ProposerService"),
 }
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_grpc_probes_check_the_served_port_and_service(kustomization):
     import importlib
 
@@ -403,7 +449,7 @@ def test_grpc_probes_check_the_served_port_and_service(kustomization):
         for n, s, c in specmesh_containers(kustomization)
         if command(c)[0] == "serve" and command(c)[1] not in HTTP_SERVICES
     ]
-    assert {command(c)[1] for _, _, c in servers} == set(SERVES)
+    assert {command(c)[1] for _, _, c in servers} == set(present(kustomization, SERVES))
     for name, _, c in servers:
         service = command(c)[1]
         module, svc = SERVES[service]
@@ -421,7 +467,7 @@ def test_grpc_probes_check_the_served_port_and_service(kustomization):
         assert int(metrics) in {p["containerPort"] for p in c["ports"] if p["name"] == "metrics"}
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_the_gateway_is_ready_with_the_verifier_and_alive_without_it(kustomization):
     servers = [c for _, _, c in specmesh_containers(kustomization) if command(c)[0] == "serve"]
     gateways = [c for c in servers if command(c)[1] in HTTP_SERVICES]
@@ -441,7 +487,7 @@ def test_the_gateway_is_ready_with_the_verifier_and_alive_without_it(kustomizati
         assert startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3) >= 60
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_prometheus_annotations_point_at_the_port_that_serves_metrics(kustomization):
     for name, template in pod_templates(kustomization):
         for c in template["spec"]["containers"]:
@@ -457,7 +503,7 @@ def test_prometheus_annotations_point_at_the_port_that_serves_metrics(kustomizat
             assert int(annotations["prometheus.io/port"]) == port, f"{name}: Prometheus would scrape the wrong port"
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_termination_grace_covers_the_prestop_and_the_drain(kustomization):
     for name, pod, c in specmesh_containers(kustomization):
         if command(c)[0] != "serve":
@@ -512,13 +558,14 @@ def flow_allowed(policies: list[dict], src: tuple[str, dict], dst: tuple[str, di
     return ingress_allows(policies, src, dst, port) and _side_allows(policies, src, "Egress", dst, port)
 
 
-PROPOSER_PORTS = (("ngram", 50061), ("suffix", 50064), ("draft", 50062), ("rag", 50063))
+PROPOSER_PORTS = (("ngram", 50061), ("suffix", 50064), ("draft", 50062), ("head", 50065), ("rag", 50063))
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustomization):
     policies = list(objects(kustomization, "NetworkPolicy").values())
     pods = {name: (NAMESPACE, t["metadata"]["labels"]) for name, t in pod_templates(kustomization)}
+    proposer_ports = [(tier, port) for tier, port in PROPOSER_PORTS if tier in present(kustomization, [tier])]
     client = ("apps", {"app": "client"})
     stranger = (NAMESPACE, {"app": "debug"})  # another pod in the namespace, with egress of its own
     prometheus = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
@@ -535,11 +582,14 @@ def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustom
         (pods["verifier"], "redis", 6379),
         (pods["suffix"], "redis", 6379),  # the suffix replicas share finished outputs there
         (pods["rag-ingest"], "rag", 50063),
-        *((prometheus, tier, 9090) for tier in ("verifier", "ngram", "suffix", "draft", "rag")),
+        *(
+            (prometheus, tier, 9090)
+            for tier in present(kustomization, ("verifier", "ngram", "suffix", "draft", "head", "rag"))
+        ),
     ]
     # Refused by the destination's own ingress policies, whatever the source's egress allows.
     refused = [
-        *((client, tier, port) for tier, port in PROPOSER_PORTS),
+        *((client, tier, port) for tier, port in proposer_ports),
         (client, "redis", 6379),
         (stranger, "redis", 6379),
         (stranger, "ngram", 50061),
@@ -558,11 +608,21 @@ def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustom
         (pods["suffix"], "suffix", 9090),
         (prometheus, "redis", 6379),
         (prometheus, "suffix", 50064),
-        *((pods["gateway"], tier, port) for tier, port in PROPOSER_PORTS),
+        *((pods["gateway"], tier, port) for tier, port in proposer_ports),
         (pods["gateway"], "redis", 6379),
         (pods["gateway"], "verifier", 9090),
         (client, "gateway", 9090),
     ]
+    if has_head(kustomization):
+        allowed.append((pods["verifier"], "head", 50065))
+        refused += [
+            (stranger, "head", 50065),
+            (pods["head"], "redis", 6379),
+            (pods["head"], "draft", 50062),
+            (pods["draft"], "head", 50065),
+            (pods["rag-ingest"], "head", 50065),
+            (prometheus, "head", 50065),
+        ]
     for src, dst, port in allowed:
         assert flow_allowed(policies, src, pods[dst], port), f"{src} → {dst}:{port} should be allowed"
     for src, dst, port in refused:
@@ -572,7 +632,7 @@ def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustom
     assert not flow_allowed(policies, stranger, pods["gateway"], 8000)
     # Egress: the proposers and Redis open no connections, but the suffix proposer's to Redis; the
     # ingest Job reaches only the rag proposer.
-    for name in ("ngram", "suffix", "draft", "rag", "redis"):
+    for name in present(kustomization, ("ngram", "suffix", "draft", "head", "rag", "redis")):
         assert not flow_allowed(policies, pods[name], client, 50051), f"{name} may open connections"
     for dst, port in (("verifier", 50051), ("ngram", 50061), ("rag", 50063), ("redis", 9090)):
         assert not flow_allowed(policies, pods["suffix"], pods[dst], port), f"suffix may call {dst}:{port}"
@@ -581,7 +641,7 @@ def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustom
     # The gateway opens connections to the verifier's gRPC port only.
     assert not flow_allowed(policies, pods["gateway"], client, 50051)
     assert not flow_allowed(policies, pods["gateway"], client, 443)
-    for name in ("ngram", "suffix", "draft", "rag", "redis", "gateway"):
+    for name in present(kustomization, ("ngram", "suffix", "draft", "head", "rag", "redis", "gateway")):
         assert not flow_allowed(policies, pods[name], pods["gateway"], 8000), f"{name} may call the gateway"
     for name in ("verifier", "suffix", "rag-ingest", "gateway"):  # they resolve Service names
         assert flow_allowed(policies, pods[name], dns, 53)
@@ -602,7 +662,7 @@ def test_network_policies_let_only_the_verifier_reach_proposers_and_redis(kustom
 RESTRICTED_VOLUMES = {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected", "downwardAPI"}
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_every_pod_meets_the_restricted_pod_security_standard(kustomization):
     for name, template in pod_templates(kustomization):
         pod = template["spec"]
@@ -654,7 +714,7 @@ def image_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_the_image_writes_only_where_the_pods_mount_writable_volumes(kustomization):
     env = image_env()
     paths = {k: v for k, v in env.items() if v.startswith("/") and k != "PATH" and k != "SPECMESH_MODEL"}
@@ -678,9 +738,14 @@ def test_the_image_writes_only_where_the_pods_mount_writable_volumes(kustomizati
             data_dir = flag_values(c["args"])["--data-dir"][0]
             pvc = [m for m in c["volumeMounts"] if "persistentVolumeClaim" in volumes[m["name"]]]
             assert pvc and data_dir.startswith(pvc[0]["mountPath"].rstrip("/") + "/"), "rag datastore not on the PVC"
+        if command(c) == ("serve", "head"):  # the trained head: read from its volume, never written
+            head = flag_values(c["args"])["--head"][0]
+            (mount,) = [m for m in c["volumeMounts"] if head == m["mountPath"]]
+            assert mount.get("readOnly") is True, "the head folder must be mounted read-only"
+            assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": "head-data", "readOnly": True}
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_redis_is_internal_and_password_protected_from_a_secret(kustomization):
     redis_svc = objects(kustomization, "Service")["redis"]["spec"]
     assert redis_svc.get("type", "ClusterIP") == "ClusterIP"
@@ -720,11 +785,12 @@ def exported_metric_names() -> set[str]:
     return {m.name for m in registry.collect()}
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_autoscalers_scale_each_tier_on_metrics_it_has(kustomization):
     deployments = objects(kustomization, "Deployment")
     hpas = objects(kustomization, "HorizontalPodAutoscaler")
-    assert set(hpas) == {"verifier", "gateway", "ngram", "suffix", "draft"}  # rag: one writer of its datastore
+    # rag: one writer of its datastore
+    assert set(hpas) == set(present(kustomization, ("verifier", "gateway", "ngram", "suffix", "draft", "head")))
     exported = exported_metric_names()
     for name, hpa in hpas.items():
         ref = hpa["spec"]["scaleTargetRef"]
@@ -740,9 +806,9 @@ def test_autoscalers_scale_each_tier_on_metrics_it_has(kustomization):
                 assert m["type"] == "Pods" and m["pods"]["metric"]["name"] in exported, f"{name}: {m}"
     verifier_metrics = {m["pods"]["metric"]["name"] for m in hpas["verifier"]["spec"]["metrics"] if m["type"] == "Pods"}
     assert "specmesh_running_requests" in verifier_metrics
-    for tier in ("gateway", "ngram", "suffix"):  # no GPU, no model: CPU
+    for tier in present(kustomization, ("gateway", "ngram", "suffix", "head")):  # no GPU: CPU
         assert [m["type"] for m in hpas[tier]["spec"]["metrics"]] == ["Resource"], tier
-    if kustomization != "overlays/gpu":
+    if not kustomization.startswith("overlays/gpu"):
         assert [m["type"] for m in hpas["draft"]["spec"]["metrics"]] == ["Resource"]
     rag = deployments["rag"]["spec"]
     assert rag["replicas"] == 1 and rag["strategy"]["type"] == "Recreate"  # ReadWriteOnce datastore
@@ -790,8 +856,9 @@ def device_of(container: dict[str, Any]) -> str:
     return flags.get("--device", [env.get("SPECMESH_DEVICE", "")])[0]
 
 
-def test_the_gpu_overlay_puts_verifier_and_draft_on_their_own_gpus():
-    for name, _, c in specmesh_containers("overlays/gpu"):
+@pytest.mark.parametrize("kustomization", ["overlays/gpu", "overlays/gpu+head"])
+def test_the_gpu_overlay_puts_verifier_and_draft_on_their_own_gpus(kustomization):
+    for name, _, c in specmesh_containers(kustomization):
         gpus = int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
         if name in ("verifier", "draft"):
             assert (
@@ -803,8 +870,9 @@ def test_the_gpu_overlay_puts_verifier_and_draft_on_their_own_gpus():
             assert gpus == 0 and c["image"].endswith("-cpu"), name
 
 
-def test_the_cpu_overlay_requests_no_gpu():
-    for name, _, c in specmesh_containers("overlays/cpu"):
+@pytest.mark.parametrize("kustomization", ["overlays/cpu", "overlays/cpu+head"])
+def test_the_cpu_overlay_requests_no_gpu(kustomization):
+    for name, _, c in specmesh_containers(kustomization):
         assert not any("nvidia.com" in k for r in c["resources"].values() for k in r), name
         assert c["image"].endswith("-cpu"), name
         if command(c) in (("serve", "verifier"), ("serve", "draft")):
@@ -821,7 +889,7 @@ def test_the_image_runs_the_specmesh_cli_as_the_user_the_pods_run_as():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "specmesh" in pyproject["project"]["scripts"]
     uid = int(next(rest for w, rest in stage if w == "USER").split(":")[0])
-    for kustomization in KUSTOMIZATIONS:
+    for kustomization in ALL:
         for name, pod, _ in specmesh_containers(kustomization):
             assert pod["securityContext"]["runAsUser"] == uid, name
 
@@ -857,9 +925,145 @@ def test_the_image_bakes_the_model_path_the_manifests_load():
     folder = Path(model).name
     assert f"/models/{folder} {Path(model).parent}" in build, "the bake step must move the converted model there"
     assert f'"models" / "{folder}"' in (ROOT / "specmesh" / "server" / "model_loading.py").read_text()
-    for kustomization in KUSTOMIZATIONS:
+    for kustomization in ALL:
         models = next(cm for n, cm in objects(kustomization, "ConfigMap").items() if n.startswith("specmesh-models"))
         assert models["data"] == {"target": model, "draft": model}
+
+
+# ---- the head proposer component (k8s/components/head) ---------------------------------------------
+
+HEAD_OBJECTS = {
+    ("PersistentVolumeClaim", "head-data"),
+    ("Deployment", "head"),
+    ("Service", "head"),
+    ("HorizontalPodAutoscaler", "head"),
+    ("PodDisruptionBudget", "head"),
+    ("NetworkPolicy", "head"),
+}
+HEAD_PROPOSER = "head=dns:///head.$(POD_NAMESPACE).svc.cluster.local:50065"
+# What the component patches in the base: the verifier dials the tier, its egress and Prometheus reach it.
+HEAD_PATCHED = {("Deployment", "verifier"), ("NetworkPolicy", "verifier"), ("NetworkPolicy", "metrics")}
+
+
+def by_key(rendered: tuple[dict[str, Any], ...]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in rendered}
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_the_default_deployment_has_no_head_tier(kustomization):
+    """The head needs a trained head copied onto its volume first: off unless an overlay enables it."""
+    rendered = by_key(render(kustomization))
+    assert not {name for _, name in rendered} & {"head", "head-data"}
+    verifier = rendered[("Deployment", "verifier")]["spec"]["template"]["spec"]["containers"][0]
+    assert not [p for p in flag_values(verifier["args"])["--proposer"] if p.startswith("head=")]
+    policies = [o for (kind, _), o in rendered.items() if kind == "NetworkPolicy"]
+    assert '"head"' not in json.dumps(policies), "a NetworkPolicy names the head tier"
+    base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    assert "head.yaml" not in base["resources"] and "components" not in base
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_the_head_component_adds_the_tier_and_patches_only_the_verifier_and_its_policies(kustomization):
+    component = yaml.safe_load((K8S / HEAD / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component" and "head.yaml" in component["resources"]
+    without, with_head = by_key(render(kustomization)), by_key(render(f"{kustomization}+head"))
+    assert set(with_head) - set(without) == HEAD_OBJECTS and set(without) <= set(with_head)
+    for key, o in without.items():
+        if key not in HEAD_PATCHED:
+            assert with_head[key] == o, f"{key}: changed by the head component"
+    expected = copy.deepcopy(without)
+    verifier = expected[("Deployment", "verifier")]["spec"]["template"]["spec"]["containers"][0]
+    verifier["args"] += ["--proposer", HEAD_PROPOSER]
+    egress = {"to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "head"}}}]}
+    egress["ports"] = [{"protocol": "TCP", "port": 50065}]
+    expected[("NetworkPolicy", "verifier")]["spec"]["egress"].append(egress)
+    (scraped,) = expected[("NetworkPolicy", "metrics")]["spec"]["podSelector"]["matchExpressions"]
+    scraped["values"].append("head")
+    for key in HEAD_PATCHED:
+        assert with_head[key] == expected[key], f"{key}: not the head component's patch"
+    head = with_head[("NetworkPolicy", "head")]["spec"]
+    assert head["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "head"}}
+    assert head["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "verifier"}}}],
+            "ports": [{"protocol": "TCP", "port": 50065}],
+        }
+    ]
+
+
+def readme_head_volume_selector() -> dict[str, str]:
+    """The label selector of k8s/README.md's `kubectl apply -k … -l …`: the head's volume, before the rest."""
+    (line,) = [
+        line
+        for line in (K8S / "README.md").read_text().splitlines()
+        if line.startswith("kubectl apply -k ") and " -l " in line
+    ]
+    return dict(pair.split("=") for pair in line.split(" -l ")[1].split()[0].split(","))
+
+
+@pytest.mark.parametrize("kustomization", WITH_HEAD)
+def test_the_head_serves_the_trained_folder_from_a_read_only_volume(kustomization):
+    rendered = by_key(render(kustomization))
+    pod = rendered[("Deployment", "head")]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert command(c) == ("serve", "head") and listen_port(c) == 50065
+    (folder,) = flag_values(c["args"])["--head"]
+    assert folder == "/models/head"
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == folder]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"] == {"claimName": "head-data", "readOnly": True}
+    assert rendered[("PersistentVolumeClaim", "head-data")]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    # One node for the replicas: the ReadWriteOnce volume attaches to one.
+    (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert matches(term["labelSelector"], rendered[("Deployment", "head")]["spec"]["template"]["metadata"]["labels"])
+    svc = rendered[("Service", "head")]["spec"]
+    assert svc["clusterIP"] == "None" and ("grpc", 50065) in {(p["name"], p["port"]) for p in svc["ports"]}
+    # The README's first step applies the volume alone: no head pod starts before the copy.
+    selector = {"matchLabels": readme_head_volume_selector()}
+    selected = [key for key, o in rendered.items() if matches(selector, o["metadata"].get("labels", {}))]
+    assert selected == [("PersistentVolumeClaim", "head-data")], selected
+
+
+def test_the_cpu_overlay_sizes_the_head_for_a_laptop_where_it_is_enabled():
+    base, cpu = by_key(render("base+head")), by_key(render("overlays/cpu+head"))
+
+    def sizes(r: dict) -> tuple:
+        c = r[("Deployment", "head")]["spec"]["template"]["spec"]["containers"][0]
+        storage = r[("PersistentVolumeClaim", "head-data")]["spec"]["resources"]["requests"]["storage"]
+        return c["resources"]["requests"]["cpu"], r[("HorizontalPodAutoscaler", "head")]["spec"]["maxReplicas"], storage
+
+    assert sizes(base) == ("1", 4, "1Gi")
+    assert sizes(cpu) == ("250m", 2, "256Mi")  # the targeted head-*.yaml patches (no-ops without the head)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_head_component_works_from_an_overlay_of_ones_own(overlay):
+    rendered = by_key(render_with_components(overlay, HEAD))
+    assert set(rendered) >= HEAD_OBJECTS
+    assert all(rendered[key]["metadata"]["namespace"] == NAMESPACE for key in HEAD_OBJECTS)
+    # The overlay's images transformer ran before the component: head.yaml pins the base's CPU image.
+    images = {i["name"]: i for i in yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["images"]}
+    cpu_image = f"{images['specmesh']['newName']}:{images['specmesh']['newTag']}"
+    head_image = rendered[("Deployment", "head")]["spec"]["template"]["spec"]["containers"][0]["image"]
+    ngram_image = rendered[("Deployment", "ngram")]["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert head_image == cpu_image == ngram_image
+    if overlay == "overlays/gpu":  # no head patches there: the same as enabling it inside the overlay
+        assert rendered == by_key(render("overlays/gpu+head"))
+
+
+def test_the_head_proposer_loads_the_verifiers_target():
+    """The head drafts from the target's hidden states with the target's lm_head: the same model."""
+
+    def source(c: dict[str, Any], flag: str) -> tuple[str, str]:
+        (value,) = flag_values(c["args"])[flag]
+        ref = next(e for e in c["env"] if f"$({e['name']})" == value)["valueFrom"]["configMapKeyRef"]
+        return ref["name"], ref["key"]
+
+    for kustomization in WITH_HEAD:
+        containers = {n: c for n, _, c in specmesh_containers(kustomization)}
+        assert source(containers["head"], "--target") == source(containers["verifier"], "--model"), kustomization
 
 
 # ---- the monitoring component (k8s/components/monitoring) -----------------------------------------
@@ -870,7 +1074,7 @@ MONITORING_OBJECTS = {
     ("PrometheusRule", "specmesh"),
     ("ConfigMap", "specmesh-grafana-dashboard"),
 }
-MONITORED_TIERS = ("verifier", "ngram", "suffix", "draft", "rag", "gateway")
+MONITORED_TIERS = ("verifier", "ngram", "suffix", "draft", "head", "rag", "gateway")  # head: where enabled
 PROMETHEUS = ("monitoring", {"app.kubernetes.io/name": "prometheus"})  # what the NetworkPolicies admit
 # The fields this component uses of the Prometheus Operator's CRDs (no OpenAPI schema offline): a typo fails.
 SERVICE_MONITOR_FIELDS = {"selector", "namespaceSelector", "endpoints"}
@@ -879,34 +1083,33 @@ RULE_FIELDS = {"alert", "expr", "for", "labels", "annotations"}
 
 
 @functools.cache
-def render_with_component(overlay: str, component: str) -> tuple[dict[str, Any], ...]:
-    """``overlay`` with ``component`` enabled as k8s/README.md shows: an overlay of one's own listing it."""
+def render_with_components(overlay: str, *components: str) -> tuple[dict[str, Any], ...]:
+    """``overlay`` with ``components`` enabled as k8s/README.md shows: an overlay of one's own listing them."""
     with tempfile.TemporaryDirectory() as tmp:
-        rel = Path(os.path.relpath(K8S, tmp))
+        target, mine = k8s_copy(tmp, overlay), Path(tmp) / "mine"
+        mine.mkdir()
         kustomization = {
             "apiVersion": "kustomize.config.k8s.io/v1beta1",
             "kind": "Kustomization",
-            "resources": [str(rel / overlay)],
-            "components": [str(rel / component)],
+            "resources": [os.path.relpath(target, mine)],
+            "components": [os.path.relpath(Path(tmp) / "k8s" / c, mine) for c in components],
         }
-        (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-        out = subprocess.run([kubectl(), "kustomize", tmp], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, f"kubectl kustomize {overlay} + {component} failed:\n{out.stderr}"
-    return tuple(obj for obj in yaml.safe_load_all(out.stdout) if obj)
+        (mine / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+        return kustomize(mine, " + ".join((overlay, *components)))
 
 
 def monitoring_objects(overlay: str) -> dict[str, dict[str, Any]]:
     """The component's objects in ``overlay`` + the component, by kind."""
     return {
         o["kind"]: o
-        for o in render_with_component(overlay, MONITORING)
+        for o in render_with_components(overlay, MONITORING)
         if (o["kind"], o["metadata"]["name"]) in MONITORING_OBJECTS
     }
 
 
-@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "overlays/cpu+head"])
 def test_the_monitoring_component_adds_its_objects_and_changes_nothing_else(overlay):
-    rendered = render_with_component(overlay, MONITORING)
+    rendered = render_with_components(overlay, MONITORING)
     added = [o for o in rendered if (o["kind"], o["metadata"]["name"]) in MONITORING_OBJECTS]
     assert {(o["kind"], o["metadata"]["name"]) for o in added} == MONITORING_OBJECTS
     for o in added:
@@ -935,9 +1138,9 @@ def test_the_monitoring_objects_validate(version):
         assert all(set(r) <= RULE_FIELDS and {"alert", "expr"} <= set(r) for r in group["rules"]), group["name"]
 
 
-@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "overlays/cpu+head", "overlays/gpu+head"])
 def test_the_service_monitor_scrapes_each_tier_once_on_the_port_that_serves_metrics(overlay):
-    rendered = render_with_component(overlay, MONITORING)
+    rendered = render_with_components(overlay, MONITORING)
     sm = monitoring_objects(overlay)["ServiceMonitor"]["spec"]
     namespaces = sm["namespaceSelector"]["matchNames"]
     services = [
@@ -960,7 +1163,7 @@ def test_the_service_monitor_scrapes_each_tier_once_on_the_port_that_serves_metr
                     c = t["spec"]["containers"][0]
                     named = {cp["name"]: cp["containerPort"] for cp in c["ports"]}
                     scraped.setdefault(workload, []).append(named[port["targetPort"]])
-    assert set(scraped) == set(MONITORED_TIERS), scraped
+    assert set(scraped) == set(present(overlay, MONITORED_TIERS)), scraped
     for workload, ports in scraped.items():
         c = templates[workload]["spec"]["containers"][0]
         http = command(c)[1] in HTTP_SERVICES
@@ -1000,22 +1203,26 @@ def readme_commands() -> list[list[str]]:
 
 
 def test_the_readme_specmesh_commands_parse_with_the_real_cli():
+    from proposer_svc.head_train import parse_args as head_parse
     from proposer_svc.rag_cli import build_parser as rag_parser
     from specmesh.cli import build_parser
 
     commands = readme_commands()
-    assert {argv[0] for argv in commands} >= {"generate", "admin", "rag"}
+    assert {argv[0] for argv in commands} >= {"generate", "admin", "rag", "head"}
     for argv in commands:
-        parser = rag_parser() if argv[0] == "rag" else build_parser()
         try:
-            parser.parse_args(argv[1:] if argv[0] == "rag" else argv)
+            if argv[0] == "head":  # a tool with its own parser, as rag
+                head_parse(argv[1:])
+            else:
+                parser = rag_parser() if argv[0] == "rag" else build_parser()
+                parser.parse_args(argv[1:] if argv[0] == "rag" else argv)
         except SystemExit:
             pytest.fail(f"k8s/README.md: `specmesh {' '.join(argv)}` does not parse")
 
 
 # ---- security: tokens from Secrets, reflection off, the TLS component (k8s/components/tls) --------
 
-GRPC_SERVERS = ("verifier", "ngram", "suffix", "draft", "rag")
+GRPC_SERVERS = ("verifier", "ngram", "suffix", "draft", "head", "rag")
 # Which token each workload may read (Secret specmesh-tokens, mounted file by file) and through which variable.
 TOKEN_ENV = {
     "verifier": {
@@ -1026,6 +1233,7 @@ TOKEN_ENV = {
     "ngram": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
     "suffix": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
     "draft": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
+    "head": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
     "rag": {"SPECMESH_AUTH_TOKEN_FILE": "proposer"},
     "gateway": {"SPECMESH_API_KEY_FILE": "api-key", "SPECMESH_VERIFIER_TOKEN_FILE": "client"},
     "rag-ingest": {"SPECMESH_TOKEN_FILE": "proposer"},
@@ -1045,7 +1253,7 @@ def secret_file(pod: dict[str, Any], container: dict[str, Any], path: str) -> tu
     return None
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", ALL)
 def test_every_tier_reads_only_its_own_tokens_from_a_read_only_secret_mount(kustomization):
     seen = set()
     for name, pod, c in specmesh_containers(kustomization):
@@ -1059,15 +1267,15 @@ def test_every_tier_reads_only_its_own_tokens_from_a_read_only_secret_mount(kust
         mounted = {i["key"] for i in tokens["secret"]["items"]}
         assert mounted == set(wanted.values()), f"{name} can read tokens it does not use: {mounted}"
         seen.add(name)
-    assert seen == set(TOKEN_ENV)
+    assert seen == set(present(kustomization, TOKEN_ENV))
 
 
-@pytest.mark.parametrize("kustomization", ["overlays/cpu", "overlays/gpu"])
+@pytest.mark.parametrize("kustomization", [*OVERLAYS, "overlays/cpu+head", "overlays/gpu+head"])
 def test_reflection_is_off_on_every_grpc_service_of_the_overlays(kustomization):
     from specmesh.server.flags import boolean
 
     servers = [(n, c) for n, _, c in specmesh_containers(kustomization) if command(c)[1:] and n in GRPC_SERVERS]
-    assert {n for n, _ in servers} == set(GRPC_SERVERS)
+    assert {n for n, _ in servers} == set(present(kustomization, GRPC_SERVERS))
     for name, c in servers:
         assert boolean(literal_env(c).get("SPECMESH_REFLECTION", "on")) is False, name
 
@@ -1090,16 +1298,23 @@ def dialed_hosts(rendered: tuple[dict[str, Any], ...]) -> dict[str, set[str]]:
                 continue
             flags = flag_values(c["args"])
             targets = [v.partition("=")[2] for v in flags.get("--proposer", [])]
-            targets += flags.get("--verifier", []) + flags.get("--target", [])
+            targets += flags.get("--verifier", [])
+            if command(c)[0] != "serve":  # a tool's --target is the tier it calls; `serve head`'s, its model
+                targets += flags.get("--target", [])
             for t in targets:
                 host = expand(t, {"POD_NAMESPACE": NAMESPACE}).removeprefix("dns:///").rsplit(":", 1)[0]
                 out.setdefault(o["metadata"]["name"], set()).add(host)
     return out
 
 
-@pytest.mark.parametrize("overlay", ["overlays/cpu", "overlays/gpu"])
-def test_the_tls_component_gives_every_hop_mutual_tls_from_cert_manager(overlay):
-    rendered = render_with_component(overlay, TLS)
+# (overlay, components of an overlay of one's own): TLS alone, with the head enabled inside the
+# overlay, and both components in one's own overlay, the head's first (k8s/README.md).
+TLS_CASES = [(o, (TLS,)) for o in OVERLAYS] + [("overlays/cpu+head", (TLS,)), ("overlays/gpu", (HEAD, TLS))]
+
+
+@pytest.mark.parametrize(("overlay", "components"), TLS_CASES, ids=lambda v: "+".join(v) if isinstance(v, tuple) else v)
+def test_the_tls_component_gives_every_hop_mutual_tls_from_cert_manager(overlay, components):
+    rendered = render_with_components(overlay, *components)
     by_key = {(o["kind"], o["metadata"]["name"]): o for o in rendered}
     assert set(by_key) >= CERT_MANAGER
     cert = by_key[("Certificate", "specmesh-tls")]["spec"]
@@ -1122,7 +1337,9 @@ def test_the_tls_component_gives_every_hop_mutual_tls_from_cert_manager(overlay)
         for o in rendered
         if o["kind"] in ("Deployment", "Job") and is_specmesh(o["spec"]["template"]["spec"]["containers"][0])
     }
-    for name in GRPC_SERVERS:
+    head = has_head(overlay) or HEAD in components
+    assert ("head" in workloads) == head  # the TLS component's head patch adds no head of its own
+    for name in (n for n in GRPC_SERVERS if n != "head" or head):
         pod, c = workloads[name]
         assert tls_file(pod, c, "SPECMESH_TLS_CERT") == "tls.crt" and tls_file(pod, c, "SPECMESH_TLS_KEY") == "tls.key"
         assert tls_file(pod, c, "SPECMESH_TLS_CLIENT_CA") == "ca.crt"  # mutual TLS

@@ -269,3 +269,44 @@ def test_a_pushed_core_gets_advances_while_its_trees_come_from_another_thread():
     replies = asyncio.run(run())
     assert [(r.context_length, list(r.tree.tokens)) for r in replies] == [(4, [5])]
     assert cores[0].events == [("start", [1, 2]), ("advance", [3]), ("advance", [4]), ("close", [])]
+
+
+class TakesStates:
+    """A ``StateTaker`` core: records the hidden states handed to it before each Advance."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.context = log, 0
+
+    def start(self, prompt, budget):
+        self.context = len(prompt)
+        return proposer_pb2.ProposeResponse(context_length=self.context)
+
+    def take_states(self, states, tokens):
+        from specmesh.server.hidden import decode
+
+        self.log.append(decode(states, tokens, 2).tolist())  # ValueError when the rows do not fit
+
+    def advance(self, tokens, budget):
+        self.context += len(tokens)
+        return proposer_pb2.ProposeResponse(context_length=self.context)
+
+    def close(self):
+        pass
+
+
+def test_hidden_states_reach_a_state_taking_core_and_ill_fitting_ones_are_refused_as_invalid_argument():
+    import torch
+
+    from specmesh.server.hidden import encode
+
+    log: list = []
+    servicer = ProposeStream(StreamConfig(proposer="test"), lambda start, deliver: TakesStates(log))
+    with_states = advance([4, 5])
+    with_states.advance.hidden_states.CopyFrom(encode(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 0))
+    replies = exchange(servicer, [start([1, 2, 3]), with_states, advance([6])])
+    assert [r.context_length for r in replies] == [3, 5, 6]
+    assert log == [[[1.0, 2.0], [3.0, 4.0]]]  # an Advance without states hands none over
+    one_row_for_two_tokens = advance([4, 5])
+    one_row_for_two_tokens.advance.hidden_states.CopyFrom(encode(torch.ones(1, 2), 0))
+    err = exchange(servicer, [start([1, 2, 3]), one_row_for_two_tokens])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "hidden_states.data" in err.details()

@@ -14,6 +14,7 @@ import pytest
 from proposer_svc.suffix import (
     MAX_VOCAB,
     SEP,
+    Proposal,
     SealedIndex,
     SuffixCache,
     SuffixConfig,
@@ -21,6 +22,7 @@ from proposer_svc.suffix import (
     TokenBuffer,
     best_tree,
     continuation_tree,
+    union,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +296,32 @@ def test_continuation_tree_keeps_nodes_exactly_at_min_prob_and_drops_those_below
     assert continuation_tree(conts, 10, 0.26) == ([7, 8], [-1, 0], [0.75, 0.5])
     assert continuation_tree(conts, 10, 0.75) == ([7], [-1], [0.75])
     assert continuation_tree(conts, 10, 0.76) == ([], [], [])
+
+
+def test_union_of_two_trees_equals_brute_force_max_over_paths_best_first_and_ancestor_closed():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        trees = []
+        for source in ("request", "global"):
+            rows, depth = int(rng.integers(1, 20)), int(rng.integers(1, 6))
+            tokens, parents, probs = continuation_tree(_random_conts(rng, rows, depth, 4), 32, 0.0)
+            trees.append(Proposal(tokens, parents, probs, source, 2, sum(probs)))
+        max_nodes = int(rng.integers(1, 40))
+        got = union(*trees, max_nodes)
+        want: dict[tuple[int, ...], float] = {}
+        for t in trees:
+            for path, q in zip(_paths(t.tokens, t.parents), t.probs, strict=True):
+                want[path] = max(want.get(path, 0.0), q)
+        paths = _paths(got.tokens, got.parents)  # parents precede children
+        assert len(paths) == len(set(paths)) == min(max_nodes, len(want))
+        assert all(want[p] == q for p, q in zip(paths, got.probs, strict=True))
+        keys = [(-q, len(p)) for p, q in zip(paths, got.probs, strict=True)]
+        assert keys == sorted(keys)  # most probable first, ties shallower first
+        left_out = set(want) - set(paths)
+        assert all((-want[p], len(p)) >= keys[-1] for p in left_out)  # the best max_nodes kept
+        assert got.score == pytest.approx(sum(got.probs))
+        if trees[0].tokens and trees[1].tokens:
+            assert got.source == "request+global"
 
 
 # ---------------------------------------------------------------------------------------------

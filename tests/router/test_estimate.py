@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from specmesh_router.cost_model import StepCost, choose_width
 from specmesh_router.estimate import RequestEstimate, expected_accepted, levels_sample
 from specmesh_router.stats import AcceptanceStats
 from tests.router.test_selection import feed, make_router
@@ -56,3 +57,20 @@ def test_a_request_whose_trees_keep_matching_gets_speculation_from_the_router_de
     assert abs(d.expected_accepted - expected_accepted(alphas)[-1]) < 1e-9
     # Another request of the same tag, without its own evidence, still gets plain decoding.
     assert router.decide("ngram", "chat").k == 0
+
+
+def test_the_proposers_path_probabilities_let_the_gate_cut_the_siblings_it_rates_low():
+    """A chain rated certain is the chain model exactly; a bushy tree's low-rated siblings add
+    little expected acceptance, so on this CPU's cost curve the gate keeps the strong chain only."""
+    alphas = [0.8, 0.7, 0.6, 0.6]
+    chain = list(range(-1, 5))
+    assert expected_by_width(alphas, chain, [1.0] * 6) == pytest.approx(expected_by_width(alphas, chain))
+    # A 6-node chain the proposer rates 0.9 per level, then 26 one-off siblings under its first five nodes.
+    parents = chain + [i % 5 for i in range(26)]  # none deeper than the chain
+    probs = [0.9 ** (d + 1) for d in range(6)] + [0.02] * 26
+    with_probs = expected_by_width(alphas, parents, probs)
+    assert with_probs[-1] - with_probs[7] < 0.3  # the 26 siblings together add < 0.3 tokens
+    dear = StepCost.by_tokens((1, 8, 16, 33), (0.044, 0.072, 0.078, 0.120))  # measured here, ms → s
+    assert 1 < choose_width([with_probs], dear) <= 8
+    # Without the probabilities, the chain model's value is the same for every width ≥ 7:
+    assert expected_by_width(alphas, parents)[7:] == [expected_by_width(alphas, parents)[7]] * 26

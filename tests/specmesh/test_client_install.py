@@ -119,6 +119,7 @@ def test_sdk_and_client_commands_run_without_any_server_dependency(tmp_path):
     [
         (["serve", "ngram"], "serve"),
         (["serve", "verifier", "--help"], "serve"),
+        (["serve", "head", "--help"], "serve"),
         (["up"], "serve"),
         (["demo"], "serve"),
         (["rag", "--help"], "serve"),

@@ -21,6 +21,8 @@ def _parse(service: str, argv: list[str]):
         from proposer_svc.suffix_server import parse_args
     elif service == "rag":
         from proposer_svc.rag_server import parse_args
+    elif service == "head":
+        from proposer_svc.head_server import parse_args
     else:
         from proposer_svc.draft_server import parse_args
     return parse_args(argv)
@@ -29,7 +31,7 @@ def _parse(service: str, argv: list[str]):
 def test_up_tls_auth_wires_every_hop(tmp_path):
     config = DeploymentConfig(
         run_dir=tmp_path, tls=True, auth=True, rag_address="127.0.0.1:50063", draft_address="127.0.0.1:50062",
-        gateway_address="127.0.0.1:8000",
+        head_address="127.0.0.1:50065", gateway_address="127.0.0.1:8000",
     )  # fmt: skip
     dep = LocalDeployment(config)
     dep._write_credentials()
@@ -38,9 +40,9 @@ def test_up_tls_auth_wires_every_hop(tmp_path):
     for private in (tls["key"], *tokens.values()):
         assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
     parsed = {s.name: _parse(s.name, s.argv[5:]) for s in dep.services}  # [python, -m, specmesh, serve, NAME, …]
-    assert set(parsed) == {"ngram", "suffix", "rag", "draft", "verifier", "gateway"}
+    assert set(parsed) == {"ngram", "suffix", "rag", "draft", "head", "verifier", "gateway"}
     tier = (tokens["proposer"].read_text().strip(),)
-    for name in ("ngram", "suffix", "rag", "draft"):
+    for name in ("ngram", "suffix", "rag", "draft", "head"):
         sec = parsed[name].serving.security
         assert sec.tls.client_ca == str(tls["ca"]) and sec.tls.cert == str(tls["cert"]), name
         assert sec.tokens == tier, name
@@ -55,7 +57,8 @@ def test_up_tls_auth_wires_every_hop(tmp_path):
 
 
 def test_up_without_tls_or_auth_passes_no_security_flag(tmp_path):
-    dep = LocalDeployment(DeploymentConfig(run_dir=tmp_path, gateway_address="127.0.0.1:8000"))
+    config = DeploymentConfig(run_dir=tmp_path, gateway_address="127.0.0.1:8000", head_address="127.0.0.1:50065")
+    dep = LocalDeployment(config)
     for s in dep.services:
         assert not [a for a in s.argv if "tls" in a or "token" in a or "api-key" in a], s.argv
     assert dep.client_tls is None and dep.token() == "" and dep.gateway_url.startswith("http://")

@@ -104,6 +104,51 @@ def test_a_flood_of_invalid_trees_logs_a_bounded_number_of_lines(caplog):
     assert len(invalid) == 1, f"{len(invalid)} lines for 500 invalid trees"
 
 
+class AsksForStates(proposer_pb2_grpc.ProposerServiceServicer):
+    """Asks for hidden states in ``dtype`` in its first answer; records the Advances it gets."""
+
+    def __init__(self, dtype: int) -> None:
+        self.dtype, self.advances = dtype, []
+
+    async def Propose(self, request_iterator, context):
+        await request_iterator.__anext__()
+        want = proposer_pb2.HiddenStateRequest(dtype=self.dtype)
+        yield proposer_pb2.ProposeResponse(context_length=3, hidden_states=want)
+        async for msg in request_iterator:
+            if msg.HasField("advance"):
+                self.advances.append(msg.advance)
+                yield proposer_pb2.ProposeResponse(
+                    context_length=3 + len(self.advances),
+                    tree=proposer_pb2.TokenTree(tokens=[5, 6], parents=[-1, 0], path_probs=[0.5, 1.5]),
+                )
+
+
+def test_a_proposer_that_asks_for_hidden_states_gets_them_with_each_advance_and_lying_ones_are_dropped():
+    import torch
+
+    from specmesh.server.hidden import decode, encode
+
+    async def run(dtype: int) -> tuple[GrpcProposerSession, AsksForStates]:
+        proposer = AsksForStates(dtype)
+        async with served(proposer) as stub:
+            session = open_session("head", stub)
+            assert await until(lambda: session.hidden_dtype is not None or session.failed is not None, 5)
+            if session.failed is None:
+                session.advance([7], encode(torch.full((1, 4), 0.25), session.hidden_dtype))
+                assert await until(lambda: session.invalid_trees == 1, 5)
+            session.close()
+        return session, proposer
+
+    session, proposer = asyncio.run(run(proposer_pb2.HIDDEN_DTYPE_BFLOAT16))
+    assert session.hidden_dtype == proposer_pb2.HIDDEN_DTYPE_BFLOAT16 and session.failed is None
+    (advance,) = proposer.advances
+    assert list(advance.accepted_token_ids) == [7]
+    assert decode(advance.hidden_states, 1, 4).tolist() == [[0.25] * 4]
+    assert "path probabilities" in session.last_invalid  # 1.5: refused as a tree, the stream goes on
+    session, _ = asyncio.run(run(9))
+    assert session.hidden_dtype is None and "unknown dtype" in session.failed
+
+
 # --- through a real verifier ---------------------------------------------------------------
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

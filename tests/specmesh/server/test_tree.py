@@ -21,6 +21,9 @@ from specmesh.server.tree import InvalidTree, TokenTree, validate_tree, verifica
         (TokenTree([1], [-1], [([1, 2], [-0.5, 1.5])]), "non-negative"),
         (TokenTree([3], [-1], [([1, 2], [0.5, 0.5])]), "zero proposal probability"),
         (TokenTree([1, 2], [-1, 0], [([1], [1.0])]), "1 distributions for 2 nodes"),
+        (TokenTree([1, 2], [-1, 0], probs=[0.5]), "1 path probabilities for 2 nodes"),
+        (TokenTree([1], [-1], probs=[1.5]), r"lie in \[0, 1\]"),
+        (TokenTree([1], [-1], probs=[float("nan")]), r"lie in \[0, 1\]"),
     ],
 )
 def test_malformed_trees_are_rejected_with_the_reason(tree, why):
