@@ -53,18 +53,13 @@ class _Close:
     key: int
 
 
-class DraftLoop:
-    """The batching thread: owns the Drafter (model + slot cache) and every request's state."""
+class EventThread:
+    """The thread a batching proposer's model state lives on (draft, head): the streams ``submit``
+    events; the thread takes them in batches (``_events``) and drafts in between."""
 
-    def __init__(self, drafter: Any, metrics: ProposerMetrics | None = None) -> None:
-        self.drafter, self.metrics = drafter, metrics
-        self._inbox: queue.SimpleQueue[_Open | _Advance | _Close | None] = queue.SimpleQueue()
-        self._states: list[Any] = []  # index = slot
-        self._by_key: dict[int, tuple[Any, Deliver]] = {}
-        self._deliver_to: dict[int, Deliver] = {}  # id(state) → its stream's deliver
-        self._thread = threading.Thread(target=self._run, name="draft-loop", daemon=True)
-        self.proposals = 0
-        self.propose_s = 0.0
+    def __init__(self, name: str) -> None:
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -73,8 +68,34 @@ class DraftLoop:
         self._inbox.put(None)
         self._thread.join(timeout=10)
 
-    def submit(self, event: _Open | _Advance | _Close) -> None:
+    def submit(self, event: Any) -> None:
         self._inbox.put(event)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _events(self) -> list[Any] | None:
+        """Blocks for the next event, then takes every queued one; None once stopped."""
+        events = [self._inbox.get()]
+        while not self._inbox.empty():
+            events.append(self._inbox.get())
+        return None if any(e is None for e in events) else events
+
+    def _pending(self) -> bool:
+        return not self._inbox.empty()
+
+
+class DraftLoop(EventThread):
+    """The batching thread: owns the Drafter (model + slot cache) and every request's state."""
+
+    def __init__(self, drafter: Any, metrics: ProposerMetrics | None = None) -> None:
+        super().__init__("draft-loop")
+        self.drafter, self.metrics = drafter, metrics
+        self._states: list[Any] = []  # index = slot
+        self._by_key: dict[int, tuple[Any, Deliver]] = {}
+        self._deliver_to: dict[int, Deliver] = {}  # id(state) → its stream's deliver
+        self.proposals = 0
+        self.propose_s = 0.0
 
     # --- batching thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -84,12 +105,7 @@ class DraftLoop:
             self._serve()
 
     def _serve(self) -> None:
-        while True:
-            events = [self._inbox.get()]  # block for the first, then take whatever is queued
-            while not self._inbox.empty():
-                events.append(self._inbox.get())
-            if any(e is None for e in events):
-                return
+        while (events := self._events()) is not None:
             for ev in events:
                 try:
                     self._apply(ev)
@@ -100,7 +116,7 @@ class DraftLoop:
                         got[1](None)
             while any(s.wanted for s in self._states):
                 self._propose_round()
-                if not self._inbox.empty():  # newer Advances first: never draft for a stale context
+                if self._pending():  # newer Advances first: never draft for a stale context
                     break
 
     def _apply(self, ev: _Open | _Advance | _Close) -> None:

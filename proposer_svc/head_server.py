@@ -17,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from proposer_svc.draft_server import add_tree_flags, tree_settings
+from proposer_svc.draft_server import EventThread, add_tree_flags, tree_settings
 from proposer_svc.process import ServingConfig, add_serving_flags, proposer_server, serve_proposer, serving_config
 from proposer_svc.stream import Deliver, Opener, ProposeStream, StreamConfig
 from specmesh.server.flags import ServiceFlags
@@ -35,7 +33,7 @@ from specmesh.v1 import proposer_pb2
 if TYPE_CHECKING:
     import torch
 
-    from proposer_svc.draft import DraftConfig
+    from proposer_svc.draft import DraftConfig, SearchRow
     from proposer_svc.head import Head
 
 log = logging.getLogger(__name__)
@@ -47,14 +45,8 @@ class HeadRequest:
     """One stream's state, owned by the loop thread."""
 
     deliver: Deliver
-    context_length: int
+    search: SearchRow  # budget, context length and sampling: the next tree's
     token: int  # the context's last token
-    max_nodes: int
-    max_depth: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
     state: torch.Tensor | None = None  # [H]: the target state that predicted ``token``; None: not sent
     wanted: bool = False  # a tree for the current context is owed
 
@@ -78,33 +70,17 @@ class _Close:
     key: int
 
 
-class HeadLoop:
+class HeadLoop(EventThread):
     """The drafting thread: applies queued events, then drafts all owed trees in batches."""
 
     def __init__(self, head: Head, config: DraftConfig, max_batch: int, metrics: ProposerMetrics | None) -> None:
+        super().__init__("head-loop")
         self.head, self.config, self.max_batch, self.metrics = head, config, max_batch, metrics
-        self._inbox: queue.SimpleQueue[_Open | _Advance | _Close | None] = queue.SimpleQueue()
         self._requests: dict[int, HeadRequest] = {}
-        self._thread = threading.Thread(target=self._run, name="head-loop", daemon=True)
         self.rounds, self.round_s = 0, 0.0
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
-
-    def submit(self, event: _Open | _Advance | _Close) -> None:
-        self._inbox.put(event)
-
     def _run(self) -> None:
-        while True:
-            events = [self._inbox.get()]  # block for the first, then take whatever is queued
-            while not self._inbox.empty():
-                events.append(self._inbox.get())
-            if any(e is None for e in events):
-                return
+        while (events := self._events()) is not None:
             for ev in events:
                 self._apply(ev)  # several Advances of one request coalesce: the newest context wins
             owed = [(k, r) for k, r in self._requests.items() if r.wanted]
@@ -117,13 +93,15 @@ class HeadLoop:
         elif isinstance(ev, _Close):
             self._requests.pop(ev.key, None)
         elif (r := self._requests.get(ev.key)) is not None:
-            r.context_length += len(ev.tokens)
             r.token, r.state, r.wanted = ev.tokens[-1], ev.state, True
-            r.max_nodes = ev.budget.max_nodes or r.max_nodes
-            r.max_depth = ev.budget.max_depth or r.max_depth
+            r.search = replace(
+                r.search,
+                context_length=r.search.context_length + len(ev.tokens),
+                max_nodes=ev.budget.max_nodes or r.search.max_nodes,
+                max_depth=ev.budget.max_depth or r.search.max_depth,
+            )
 
     def _draft(self, batch: list[tuple[int, HeadRequest]]) -> None:
-        from proposer_svc.draft import SearchRow
         from proposer_svc.head import DraftRow, draft_trees
 
         for _, r in batch:
@@ -131,17 +109,10 @@ class HeadLoop:
         ready = [r for _, r in batch if r.state is not None]
         for _, r in batch:
             if r.state is None:  # no state for this context (the verifier sent none): nothing to draft from
-                r.deliver(proposer_pb2.ProposeResponse(context_length=r.context_length))
+                r.deliver(proposer_pb2.ProposeResponse(context_length=r.search.context_length))
         if not ready:
             return
-        rows = [
-            DraftRow(
-                r.state,
-                r.token,
-                SearchRow(r.max_nodes, r.max_depth, r.context_length, r.temperature, r.top_p, r.top_k, r.seed),
-            )
-            for r in ready
-        ]
+        rows = [DraftRow(r.state, r.token, r.search) for r in ready]
         t0 = time.perf_counter()
         try:
             trees = draft_trees(self.head, rows, self.config)
@@ -162,7 +133,7 @@ class HeadLoop:
                 distributions=dists,
                 path_probs=tree.probs if tree.dists is None else [],  # sampled shapes are never cut by value
             )
-            r.deliver(proposer_pb2.ProposeResponse(context_length=r.context_length, tree=msg))
+            r.deliver(proposer_pb2.ProposeResponse(context_length=r.search.context_length, tree=msg))
 
 
 class HeadStream:
@@ -173,18 +144,11 @@ class HeadStream:
         self._state: torch.Tensor | None = None
 
     def start(self, prompt: list[int], budget: proposer_pb2.TreeBudget) -> proposer_pb2.ProposeResponse:
+        from proposer_svc.draft import SearchRow
+
         s = self.start_msg.sampling
-        request = HeadRequest(
-            deliver=self.deliver,
-            context_length=len(prompt),
-            token=prompt[-1],
-            max_nodes=budget.max_nodes,
-            max_depth=budget.max_depth,
-            temperature=s.temperature,
-            top_p=s.top_p if 0 < s.top_p <= 1 else 1.0,
-            top_k=max(s.top_k, 0),
-            seed=s.seed,
-        )
+        search = SearchRow(budget.max_nodes, budget.max_depth, len(prompt), s.temperature, s.top_p, s.top_k, s.seed)
+        request = HeadRequest(self.deliver, search, prompt[-1])
         self.loop.submit(_Open(self.key, request))
         # No tree for the bare prompt (no state yet): the answer asks for the states instead.
         want = proposer_pb2.HiddenStateRequest(dtype=proposer_pb2.HIDDEN_DTYPE_FLOAT16)

@@ -230,6 +230,49 @@ def forgets_the_residual(tree, probs, u):
     return path, min(int(np.searchsorted(cdf, u[0, 0] * cdf[-1], side="right")), len(cdf) - 1)
 
 
+def seeded_tree_walks(tree, context: list[int], logits, proposer: str, n: int):
+    """The verifier's sampled acceptance (temperature 1) of one deterministic ``tree`` after ``context``
+    for seeds 0..n-1, on the target's ``logits`` (rows: the root, then each node). Returns the
+    target's probabilities per row, every seed's emitted tokens (``sample_accept``) and
+    ``emitted(rule, seeds)`` for other rules. The engine's acceptance dispatch (``accept_batch``) is
+    checked equal to the walk, draw for draw, on the first 64 seeds."""
+    import torch
+
+    from specmesh.server.tree import depths
+    from verifier_svc.acceptance import acceptance_uniforms, sample_accept, walk_shape
+    from verifier_svc.batch_accept import accept_batch, target_probs
+    from verifier_svc.requests import GenerationRequest, SpecRequest
+
+    depth = max(depths(tree.parents))
+    spec = SpecRequest(proposer, num_speculative_tokens=depth, max_tree_nodes=len(tree), workload_tag="", corpus="")
+    sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec=spec)
+    reqs = [GenerationRequest(str(s), context, seed=s, **sampled) for s in range(64)]
+    probs = target_probs(logits, reqs[:1], [len(logits)]).double()  # the same for every seed
+    u = acceptance_uniforms(torch.arange(n), torch.full((n,), len(context)), *walk_shape(tree)).numpy()
+
+    def emitted(rule, seeds: int) -> list[list[int]]:
+        walks = (rule(tree, probs, u[s]) for s in range(seeds))
+        return [[tree.tokens[j] for j in path] + [bonus] for path, bonus in walks]
+
+    out = emitted(sample_accept, n)
+    k = len(reqs)
+    batch = accept_batch(reqs, [len(context)] * k, [tree] * k, logits.repeat(k, 1), [len(logits)] * k)
+    assert [[tree.tokens[j] for j in path] + [bonus] for path, bonus in batch] == out[:k]
+    return probs, out, emitted
+
+
+def assert_wrong_rules_fail(probs, out, emitted, control: int = 2_000) -> None:
+    """The negative controls: on ``control`` seeds the right rule passes the first token's test,
+    and rules that accept drafts too often or forget the residual fail it."""
+    import pytest
+    import torch
+
+    assert_chi_square(torch.tensor([e[0] for e in out[:control]]), probs[0], "the right rule, control size")
+    for rule in (accepts_drafts_too_often, forgets_the_residual):
+        with pytest.raises(AssertionError, match="chi2"):
+            assert_chi_square(torch.tensor([e[0] for e in emitted(rule, control)]), probs[0], rule.__name__)
+
+
 def start_redis(port: int) -> subprocess.Popen:
     """A throwaway, non-persistent redis-server on ``port``; returns once it answers PING."""
     import pytest

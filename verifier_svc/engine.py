@@ -398,7 +398,6 @@ class Engine:
         wire = {hidden_states.TORCH_DTYPES[dtypes[i]] for i in takers}
         wire_dtype = wire.pop() if len(wire) == 1 else torch.float32
         host = hidden_states.gather_rows(hidden, [rows(i) for i in takers], wire_dtype)
-        self.stats.hidden_state_copies += 1
         if self.metrics is not None:
             self.metrics.hidden_copies.inc()
             self.metrics.hidden_rows.inc(sum(len(h) for h in host))

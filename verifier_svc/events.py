@@ -93,4 +93,3 @@ class EngineStats:
     accepted_tokens: int = 0
     invalid_trees: int = 0
     proposer_fallbacks: int = 0
-    hidden_state_copies: int = 0  # host copies of hidden states for proposers (one per step at most)

@@ -14,12 +14,12 @@ from typing import ClassVar
 import grpc
 import pytest
 from support import (
-    accepts_drafts_too_often,
     assert_chi_square,
     assert_greedy_equal,
     assert_second_tokens_chi_square,
-    forgets_the_residual,
+    assert_wrong_rules_fail,
     second_token_counts,
+    seeded_tree_walks,
     start_verifier,
     stop_verifier,
     workload_prompts,
@@ -121,9 +121,6 @@ def test_ngram_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_ev
 
     from specmesh.server.ngram import NgramConfig, NgramIndex
     from specmesh.server.tree import TokenTree
-    from verifier_svc.acceptance import acceptance_uniforms, sample_accept, walk_shape
-    from verifier_svc.batch_accept import accept_batch, target_probs
-    from verifier_svc.requests import GenerationRequest, SpecRequest
 
     n = 20_000
     ids = lm.tokenizer.encode(REPETITIVE_LONG)
@@ -136,32 +133,14 @@ def test_ngram_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_ev
     tree = TokenTree(tokens, parents)
     with torch.inference_mode():  # a chain's rows are a causal forward: after the root, node 0, 1, 2
         logits = lm.model(torch.tensor([[*context, *tokens]])).logits[0, len(ids) :].float()
-    spec = SpecRequest(proposer="ngram", num_speculative_tokens=3, max_tree_nodes=3, workload_tag="", corpus="")
-    sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec=spec)
-    reqs = [GenerationRequest(str(s), context, seed=s, **sampled) for s in range(64)]
-    probs = target_probs(logits, reqs[:1], [len(logits)]).double()  # the same for every seed
-    u = acceptance_uniforms(torch.arange(n), torch.full((n,), len(context)), *walk_shape(tree)).numpy()
-
-    def emitted(rule, seeds: int) -> list[list[int]]:
-        walks = (rule(tree, probs, u[s]) for s in range(seeds))
-        return [[tokens[j] for j in path] + [bonus] for path, bonus in walks]
-
-    out = emitted(sample_accept, n)
-    # This walk is the engine's acceptance dispatch draw for draw (probabilities, seeds, counters).
-    k = len(reqs)
-    batch = accept_batch(reqs, [len(context)] * k, [tree] * k, logits.repeat(k, 1), [len(logits)] * k)
-    assert [[tokens[j] for j in path] + [bonus] for path, bonus in batch] == out[:k]
+    probs, out, emitted = seeded_tree_walks(tree, context, logits, "ngram", n)
 
     for depth in range(len(tokens) + 1):  # depth d: after the first d drafts were accepted
         sample = torch.tensor([e[depth] for e in out if len(e) > depth and e[:depth] == tokens[:depth]])
         assert len(sample) >= 1_000, f"depth {depth}: too few walks got there ({len(sample)})"
         assert_chi_square(sample, probs[depth], f"token at depth {depth} ({len(sample)} walks)")
 
-    control = 2_000
-    assert_chi_square(torch.tensor([e[0] for e in out[:control]]), probs[0], "the right rule, control size")
-    for rule in (accepts_drafts_too_often, forgets_the_residual):
-        with pytest.raises(AssertionError, match="chi2"):
-            assert_chi_square(torch.tensor([e[0] for e in emitted(rule, control)]), probs[0], rule.__name__)
+    assert_wrong_rules_fail(probs, out, emitted)
 
 
 def test_proposer_killed_mid_request_completes_with_the_same_greedy_output(tmp_path, lm, prompts, hf_greedy):

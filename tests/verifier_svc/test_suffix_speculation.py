@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 from support import (
     VerifierProcess,
-    accepts_drafts_too_often,
     assert_chi_square,
     assert_greedy_equal,
     assert_second_tokens_chi_square,
-    forgets_the_residual,
+    assert_wrong_rules_fail,
     metric,
     second_token_counts,
+    seeded_tree_walks,
     start_redis,
     start_verifier,
     stop_redis,
@@ -279,9 +279,7 @@ def test_suffix_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_e
 
     from proposer_svc.suffix import SuffixCache, SuffixConfig, SuffixRequest
     from specmesh.server.tree import TokenTree, depths
-    from verifier_svc.acceptance import acceptance_uniforms, children_lists, sample_accept, walk_shape
-    from verifier_svc.batch_accept import accept_batch, target_probs
-    from verifier_svc.requests import GenerationRequest, SpecRequest
+    from verifier_svc.acceptance import children_lists
 
     n = 20_000
     ids = chat_ids(OPEN_QUESTION)
@@ -321,21 +319,7 @@ def test_suffix_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_e
 
     tree = TokenTree(tokens, parents)
     logits = after([[]] + [path_to(i) for i in range(len(tokens))])  # rows: the root, then each node
-    spec = SpecRequest(proposer="suffix", num_speculative_tokens=4, max_tree_nodes=16, workload_tag="", corpus="")
-    sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec=spec)
-    reqs = [GenerationRequest(str(s), context, seed=s, **sampled) for s in range(64)]
-    probs = target_probs(logits, reqs[:1], [len(logits)]).double()  # the same for every seed
-    u = acceptance_uniforms(torch.arange(n), torch.full((n,), len(context)), *walk_shape(tree)).numpy()
-
-    def emitted(rule, seeds: int) -> list[list[int]]:
-        walks = (rule(tree, probs, u[s]) for s in range(seeds))
-        return [[tokens[j] for j in path] + [bonus] for path, bonus in walks]
-
-    out = emitted(sample_accept, n)
-    # This walk is the engine's acceptance dispatch draw for draw (probabilities, seeds, counters).
-    k = len(reqs)
-    batch = accept_batch(reqs, [len(context)] * k, [tree] * k, logits.repeat(k, 1), [len(logits)] * k)
-    assert [[tokens[j] for j in path] + [bonus] for path, bonus in batch] == out[:k]
+    probs, out, emitted = seeded_tree_walks(tree, context, logits, "suffix", n)
 
     tested = Counter()
     for index in range(len(tokens) + 1):  # index 0: the root; index i: tree node i - 1
@@ -349,11 +333,7 @@ def test_suffix_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_e
     assert set(tested) >= {0, 1, 2, 3}, f"nodes tested per depth: {dict(tested)}"
     assert sum(tested.values()) >= 6 and len(branching) >= 2, (dict(tested), branching)
 
-    control = 2_000
-    assert_chi_square(torch.tensor([e[0] for e in out[:control]]), probs[0], "the right rule, control size")
-    for rule in (accepts_drafts_too_often, forgets_the_residual):
-        with pytest.raises(AssertionError, match="chi2"):
-            assert_chi_square(torch.tensor([e[0] for e in emitted(rule, control)]), probs[0], rule.__name__)
+    assert_wrong_rules_fail(probs, out, emitted)
 
 
 def test_sampled_second_tokens_verified_on_suffix_trees_follow_the_target_softmax_chi_square(cluster, lm, chat_ids):
