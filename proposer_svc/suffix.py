@@ -18,7 +18,7 @@ telescopes to count(node) / count(root). Nodes below ``min_token_prob`` are neve
 the depth grows with ℓ (``spec_factor``), and the most probable nodes fill the verifier's budget
 (a child is never more probable than its parent, so they form a tree). Each source proposes its
 best-scoring tree (score = Σ node probabilities, the expected accepted tokens if the counts are
-right) and the better of the two is sent, with each node's probability.
+right), and their union is sent (``union``), each node with the larger of its two probabilities.
 
 Tokens are < ``SEP`` (2**21 − 1): three pack order-preserving into one int64, which is what lets
 numpy's ``searchsorted`` walk the suffix array (``pack3``).

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from specmesh_router.stats import MAX_POSITIONS, AcceptanceStats
+from specmesh_router.stats import MAX_POSITIONS, AcceptanceStats, one_at
 
 MAX_ALPHA = 0.99  # the gate never plans on certain acceptance
 
@@ -33,6 +33,7 @@ class Posterior:
     b: tuple[float, ...]
     wait_s: float = 0.0  # mean verifier wait for this proposer's draft, per step
     evidence: float = 0.0  # decayed steps behind the posterior
+    coverage: float = 1.0  # share of steps the proposer had a tree for (the others cost a plain step)
 
     def means(self) -> list[float]:
         return [a / (a + b) for a, b in zip(self.a, self.b, strict=True)]
@@ -45,37 +46,51 @@ def posterior(
     prior_mean: float,
     strength: float,
     depth: int,
+    count_ends: bool = True,
 ) -> Posterior:
     """Per-depth Beta posteriors from shared statistics. Prior mean at depth d: the pooled (all
     workload tags) statistics where they exist, else the posterior mean one level up (depth 1:
     ``prior_mean``), worth ``strength`` trials.
 
+    ``count_ends``: where the proposer's own trees ended (``AcceptanceStats.ends``) counts as a miss,
+    so α is per step, whatever the proposer had: what the router compares proposers by. Without,
+    α is given that a node is there: what the width gate prices a tree by.
+
     >>> p = posterior("ngram", AcceptanceStats(steps=10.0, hits=(8.0,), trials=(10.0,)), None, 0.5, 2.0, depth=2)
     >>> p.a, p.b    # depth 2: no data, prior mean = depth 1's 9/12
     ((9.0, 1.5), (3.0, 0.5))
+    >>> shallow = AcceptanceStats(steps=10.0, hits=(8.0, 8.0), trials=(10.0, 8.0), ends=(0.0, 0.0, 8.0))
+    >>> [round(m, 2) for m in posterior("head", shallow, None, 0.5, 2.0, depth=3).means()]  # trees end at 2
+    [0.75, 0.95, 0.19]
+    >>> [round(m, 2) for m in posterior("head", shallow, None, 0.5, 2.0, depth=3, count_ends=False).means()]
+    [0.75, 0.95, 0.95]
     """
     stats = stats or AcceptanceStats()
     a: list[float] = []
     b: list[float] = []
     mean = prior_mean
     for d in range(depth):
-        if pooled is not None and d < len(pooled.trials) and pooled.trials[d] > 0:
-            mean = (_at(pooled.hits, d) + mean * strength) / (pooled.trials[d] + strength)
-        hits, trials = _at(stats.hits, d), _at(stats.trials, d)
+        if pooled is not None and (n := _trials(pooled, d, count_ends)) > 0:
+            mean = (_at(pooled.hits, d) + mean * strength) / (n + strength)
+        hits, trials = _at(stats.hits, d), _trials(stats, d, count_ends)
         a.append(mean * strength + hits)
         b.append((1 - mean) * strength + max(trials - hits, 0.0))
         mean = a[-1] / (a[-1] + b[-1])
-    return Posterior(proposer, tuple(a), tuple(b), stats.proposer_s_per_step, stats.steps)
+    return Posterior(proposer, tuple(a), tuple(b), stats.proposer_s_per_step, stats.steps, stats.coverage)
+
+
+def _trials(stats: AcceptanceStats, d: int, count_ends: bool) -> float:
+    return _at(stats.trials, d) + (_at(stats.ends, d) if count_ends else 0.0)
 
 
 def _at(xs: tuple[float, ...], d: int) -> float:
     return xs[d] if d < len(xs) else 0.0
 
 
-def levels_sample(first_depth: int, accepted: int, rejected: bool) -> AcceptanceStats:
+def levels_sample(first_depth: int, accepted: int, rejected: bool, ended: bool = False) -> AcceptanceStats:
     """Per-depth evidence of ``accepted`` levels taken from depth ``first_depth + 1`` on, then a miss
-    if ``rejected`` (else censored): a verified tree starts at depth 1, a skipped tree's walk
-    resumes where the previous step left it.
+    if ``rejected`` (else censored, or an end where the proposer's tree ``ended``): a verified
+    tree starts at depth 1, a skipped tree's walk resumes where the previous step left it.
 
     >>> s = levels_sample(1, 2, True)    # depths 2 and 3 accepted, depth 4 missed
     >>> s.hits, s.trials
@@ -84,7 +99,10 @@ def levels_sample(first_depth: int, accepted: int, rejected: bool) -> Acceptance
     hit = min(first_depth + accepted, MAX_POSITIONS)
     tried = min(first_depth + accepted + bool(rejected), MAX_POSITIONS)
     skip = min(first_depth, MAX_POSITIONS)
-    return AcceptanceStats(hits=(0.0,) * skip + (1.0,) * (hit - skip), trials=(0.0,) * skip + (1.0,) * (tried - skip))
+    ends = one_at(first_depth + accepted) if ended and not rejected else ()
+    return AcceptanceStats(
+        hits=(0.0,) * skip + (1.0,) * (hit - skip), trials=(0.0,) * skip + (1.0,) * (tried - skip), ends=ends
+    )
 
 
 @dataclass
@@ -126,25 +144,32 @@ class RequestEstimate:
         self.weight *= self.keep
         self.seen = self.seen.scaled(self.keep) + sample
 
+    def observe_no_tree(self) -> None:
+        """A step the proposer had no tree for: counted for its coverage, without aging the
+        per-depth evidence (the gate's α's say what a tree is worth when there is one)."""
+        self.seen = self.seen + AcceptanceStats.no_tree()
+
     def posterior(self, base: Posterior, depth: int) -> Posterior:
-        """This request's Beta per depth, for the router's k (wait and evidence from ``base``, the
-        shared posterior of the same proposer)."""
-        a, b = self._beta(depth)
-        return replace(base, a=tuple(a), b=tuple(b))
+        """This request's Beta per depth for the router's k, the ends of the proposer's trees
+        counted as misses (wait and evidence from ``base``, the shared posterior of the same
+        proposer)."""
+        a, b = self._beta(depth, count_ends=True)
+        return replace(base, a=tuple(a), b=tuple(b), coverage=self.seen.coverage)
 
     def alphas(self, depth: int) -> list[float]:
-        """Posterior mean α per depth 1 … ``depth`` (at most ``MAX_ALPHA``)."""
-        a, b = self._beta(depth)
+        """Posterior mean α per depth 1 … ``depth`` (at most ``MAX_ALPHA``), given a node is there:
+        what the width gate prices a tree it holds by."""
+        a, b = self._beta(depth, count_ends=False)
         return [min(x / (x + y), MAX_ALPHA) for x, y in zip(a, b, strict=True)]
 
-    def _beta(self, depth: int) -> tuple[list[float], list[float]]:
+    def _beta(self, depth: int, count_ends: bool) -> tuple[list[float], list[float]]:
         w = self.weight
         a: list[float] = []
         b: list[float] = []
         mean = self.prior[0]
         for d in range(depth):
             mean = self.prior[d] if d < len(self.prior) else mean
-            hits, trials = _at(self.seen.hits, d), _at(self.seen.trials, d)
+            hits, trials = _at(self.seen.hits, d), _trials(self.seen, d, count_ends)
             a.append(mean * w + hits)
             b.append((1 - mean) * w + max(trials - hits, 0.0))
             mean = a[-1] / (a[-1] + b[-1]) if a[-1] + b[-1] > 0 else mean

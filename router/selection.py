@@ -2,14 +2,17 @@
 
 For proposer p verifying k draft tokens per step in a batch of B rows:
 
-    goodput(p, k) = (1 + E_p(k)) / (step_time(B, 1 + k) + wait_p)      tokens per second per row
+    goodput(p, k) = (1 + E_p(k)) / (c_p · step_time(B, 1 + k) + (1 - c_p) · step_time(B, 1) + wait_p)
     E_p(k)        = Σ_{d=1..k} Π_{j=1..d} α_{p,j}
 
 α_{p,j}: probability that p's draft token at depth j is accepted given its parent was (a Beta
-posterior per depth from the decayed statistics); wait_p: the verifier's mean wait for p's draft
-per step; the 1 is the bonus token. k = 0 (plain decoding, 1 / step_time(B, 1)) is always a
-candidate, so speculation switches itself off where verification is dear (large batches, CPUs)
-or acceptance poor. Every row of a step pays for the widest row (padding), hence step_time(B, 1 + k).
+posterior per depth from the decayed statistics), where the end of p's own tree counts as a miss:
+a proposer of shallow trees gets nothing for depths it never drafts, and one that often has no
+tree gets less at depth 1; c_p: the share of steps p had a tree for (the others are plain steps);
+wait_p: the verifier's mean wait for p's draft per step; the 1 is the bonus token. k = 0 (plain
+decoding, 1 / step_time(B, 1)) is always a candidate, so speculation switches itself off where
+verification is dear (large batches, CPUs) or acceptance poor. Every row of a step pays for the
+widest row (padding), hence step_time(B, 1 + k).
 
 Exploration: ``thompson`` draws the α's from their posteriors (a seeded ``random.Random``; one
 draw per proposer moves every depth together); ``ucb`` adds an optimism bonus that shrinks with
@@ -23,7 +26,7 @@ import math
 import random
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specmesh_router.cost_model import CostFn
 from specmesh_router.estimate import Posterior, RequestEstimate, expected_accepted, posterior
@@ -95,8 +98,11 @@ def draw_alphas(
     return means
 
 
-def best_k(alphas: Sequence[float], step_time: StepTime, batch: int, wait_s: float) -> tuple[int, float, float]:
-    """(k ≥ 1, its goodput, its E(k)) maximising (1 + E(k)) / (step_time(batch, 1 + k) + wait_s).
+def best_k(
+    alphas: Sequence[float], step_time: StepTime, batch: int, wait_s: float, coverage: float = 1.0
+) -> tuple[int, float, float]:
+    """(k ≥ 1, its goodput, its E(k)) maximising (1 + E(k)) / (cost of the step + wait_s), a step
+    with a tree (share ``coverage``) costing step_time(batch, 1 + k), one without step_time(batch, 1).
 
     >>> from specmesh_router.cost_model import StepCost
     >>> cpu = StepCost.by_tokens((1, 2, 4, 8, 16), (0.066, 0.119, 0.125, 0.139, 0.158))
@@ -105,9 +111,10 @@ def best_k(alphas: Sequence[float], step_time: StepTime, batch: int, wait_s: flo
     (16, 52.0, 7.33)
     """
     e = expected_accepted(alphas)
+    plain = (1 - coverage) * step_time(batch, 1)
     best = (1, 0.0, 0.0)
     for k in range(1, len(alphas) + 1):
-        g = (1 + e[k]) / (step_time(batch, 1 + k) + wait_s)
+        g = (1 + e[k]) / (coverage * step_time(batch, 1 + k) + plain + wait_s)
         if g > best[1]:
             best = (k, g, e[k])
     return best
@@ -148,9 +155,9 @@ def choose(
     depth = max(0, max_k)
     scored = []
     for post in posteriors:
-        trimmed = Posterior(post.proposer, post.a[:depth], post.b[:depth], post.wait_s, post.evidence)
+        trimmed = replace(post, a=post.a[:depth], b=post.b[:depth])
         alphas = draw_alphas(trimmed, config, rng, total) if depth else []
-        k, g, e = best_k(alphas, step_time, batch, post.wait_s) if alphas else (0, 0.0, 0.0)
+        k, g, e = best_k(alphas, step_time, batch, post.wait_s, post.coverage) if alphas else (0, 0.0, 0.0)
         scored.append((g, post.proposer, k, e))
     g, name, k, e = max(scored, key=lambda x: x[0])
     if current is not None and current != name:
@@ -225,14 +232,17 @@ class Router:
         if workload_tag:
             self.stats.record(StatsKey(self.model, proposer, ""), sample)
 
-    def posteriors(self, proposers: Sequence[str], workload_tag: str, depth: int) -> list[Posterior]:
+    def posteriors(
+        self, proposers: Sequence[str], workload_tag: str, depth: int, count_ends: bool = True
+    ) -> list[Posterior]:
         keys = [StatsKey(self.model, p, t) for p in proposers for t in {workload_tag, ""}]
         snap = self.stats.snapshot(keys)
         out = []
         for p in proposers:
             own = snap.get(StatsKey(self.model, p, workload_tag))
             pooled = snap.get(StatsKey(self.model, p, "")) if workload_tag else None
-            out.append(posterior(p, own, pooled, self.config.prior_mean, self.config.prior_strength, depth))
+            cfg = self.config
+            out.append(posterior(p, own, pooled, cfg.prior_mean, cfg.prior_strength, depth, count_ends))
         return out
 
     def decide(
@@ -265,6 +275,7 @@ class Router:
 
     def estimate(self, proposer: str, workload_tag: str = "") -> RequestEstimate:
         """A new request's acceptance estimate under ``proposer``: the shared posterior's means
-        (over every depth a tree may reach) as its prior."""
-        post = self.posteriors([proposer], workload_tag, self.config.max_k)[0]
+        (over every depth a tree may reach; given a node is there, as the gate reads them) as its
+        prior."""
+        post = self.posteriors([proposer], workload_tag, self.config.max_k, count_ends=False)[0]
         return RequestEstimate.from_posterior(post, self.config.prior_mean)

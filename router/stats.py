@@ -40,7 +40,16 @@ class StatsKey:
 
 @dataclass(frozen=True)
 class AcceptanceStats:
-    """Sums over verification steps that carried a draft: one step's sample, or decayed totals."""
+    """Sums over verification steps that carried a draft: one step's sample, or decayed totals.
+
+    ``ends`` is what the chain model alone cannot see: where a proposer has nothing more to offer.
+    A path accepted to a leaf the proposer ended by itself (its tree smaller than the verifier's
+    budget, not cut by the verifier), or a step it answered with no tree at all (d = 0), is a miss
+    for the router, which compares proposers per step, but not for the verifier's width gate, which
+    prices a tree it already holds. Without it, a proposer of shallow trees looks as if its
+    acceptance went on at every depth below them, and one that rarely has a tree as good as one
+    that always has.
+    """
 
     steps: float = 0.0
     drafted: float = 0.0  # draft tokens verified
@@ -48,18 +57,32 @@ class AcceptanceStats:
     proposer_s: float = 0.0  # seconds the verifier waited for this proposer's drafts
     hits: tuple[float, ...] = ()  # [d]: steps that accepted the draft token at depth d + 1
     trials: tuple[float, ...] = ()  # [d]: steps that decided a draft token at depth d + 1 (hit or miss)
+    ends: tuple[float, ...] = ()  # [d]: steps whose path reached a leaf the proposer ended at depth d
 
     @classmethod
-    def of_step(cls, drafted: int, accepted: int, rejected: bool, proposer_s: float = 0.0) -> AcceptanceStats:
+    def of_step(
+        cls, drafted: int, accepted: int, rejected: bool, proposer_s: float = 0.0, ended: bool = False
+    ) -> AcceptanceStats:
         """One verification step: ``accepted`` draft tokens taken; ``rejected``: the walk stopped at a
         node that had children (a miss at depth ``accepted + 1``), not at a leaf (censored: no miss).
+        ``ended``: that leaf is where the proposer's own tree ended (an end at depth ``accepted``).
 
-        >>> AcceptanceStats.of_step(drafted=5, accepted=2, rejected=True)
-        AcceptanceStats(steps=1.0, drafted=5.0, accepted=2.0, proposer_s=0.0, hits=(1.0, 1.0), trials=(1.0, 1.0, 1.0))
+        >>> s = AcceptanceStats.of_step(drafted=5, accepted=2, rejected=True)
+        >>> s.steps, s.drafted, s.accepted, s.hits, s.trials, s.ends
+        (1.0, 5.0, 2.0, (1.0, 1.0), (1.0, 1.0, 1.0), ())
+        >>> AcceptanceStats.of_step(drafted=3, accepted=3, rejected=False, ended=True).ends
+        (0.0, 0.0, 0.0, 1.0)
         """
         hit = min(accepted, MAX_POSITIONS)
         tried = min(accepted + bool(rejected), MAX_POSITIONS)
-        return cls(1.0, float(drafted), float(accepted), proposer_s, (1.0,) * hit, (1.0,) * tried)
+        ends = one_at(accepted) if ended and not rejected else ()
+        return cls(1.0, float(drafted), float(accepted), proposer_s, (1.0,) * hit, (1.0,) * tried, ends)
+
+    @classmethod
+    def no_tree(cls) -> AcceptanceStats:
+        """A step the proposer answered with an empty tree: an end at depth 0 and nothing else (the
+        verifier decoded plainly; the step is not one that carried a draft)."""
+        return cls(ends=(1.0,))
 
     def __add__(self, other: AcceptanceStats) -> AcceptanceStats:
         return AcceptanceStats(
@@ -69,6 +92,7 @@ class AcceptanceStats:
             self.proposer_s + other.proposer_s,
             _add(self.hits, other.hits),
             _add(self.trials, other.trials),
+            _add(self.ends, other.ends),
         )
 
     def scaled(self, f: float) -> AcceptanceStats:
@@ -81,6 +105,7 @@ class AcceptanceStats:
             self.proposer_s * f,
             tuple(x * f for x in self.hits),
             tuple(x * f for x in self.trials),
+            tuple(x * f for x in self.ends),
         )
 
     @property
@@ -90,6 +115,18 @@ class AcceptanceStats:
     @property
     def drafted_per_step(self) -> float:
         return self.drafted / self.steps if self.steps else 0.0
+
+    @property
+    def coverage(self) -> float:
+        """Share of the proposer's steps that had a tree: trees decided at depth 1 over those and
+        the steps it answered with none (1 with no evidence either way).
+
+        >>> (AcceptanceStats(trials=(3.0,)) + AcceptanceStats.no_tree()).coverage
+        0.75
+        """
+        trees = self.trials[0] if self.trials else 0.0
+        empty = self.ends[0] if self.ends else 0.0
+        return trees / (trees + empty) if trees + empty > 0 else 1.0
 
     @property
     def proposer_s_per_step(self) -> float:
@@ -104,25 +141,38 @@ class AcceptanceStats:
         out = {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted, "proposer_s": self.proposer_s}
         out.update({f"h{d}": v for d, v in enumerate(self.hits)})
         out.update({f"n{d}": v for d, v in enumerate(self.trials)})
+        out.update({f"e{d}": v for d, v in enumerate(self.ends)})
         return {k: v for k, v in out.items() if v}
 
     @classmethod
     def from_fields(cls, fields: dict[str, float | str]) -> AcceptanceStats:
         """Inverse of ``to_fields``; unknown fields are ignored.
 
-        >>> s = AcceptanceStats.of_step(4, 1, True, 0.002)
+        >>> s = AcceptanceStats.of_step(4, 1, True, 0.002) + AcceptanceStats.no_tree()
         >>> AcceptanceStats.from_fields({k: str(v) for k, v in s.to_fields().items()}) == s
         True
         """
         hits: dict[int, float] = {}
         trials: dict[int, float] = {}
+        ends: dict[int, float] = {}
+        per_depth = {"h": hits, "n": trials, "e": ends}
         scalars = {"steps": 0.0, "drafted": 0.0, "accepted": 0.0, "proposer_s": 0.0}
         for name, raw in fields.items():
             if name in scalars:
                 scalars[name] = float(raw)
-            elif name[:1] in ("h", "n") and name[1:].isdigit() and int(name[1:]) < MAX_POSITIONS:
-                (hits if name[0] == "h" else trials)[int(name[1:])] = float(raw)
-        return cls(**scalars, hits=_dense(hits), trials=_dense(trials))
+            elif name[:1] in per_depth and name[1:].isdigit() and int(name[1:]) < MAX_POSITIONS:
+                per_depth[name[0]][int(name[1:])] = float(raw)
+        return cls(**scalars, hits=_dense(hits), trials=_dense(trials), ends=_dense(ends))
+
+
+def one_at(d: int) -> tuple[float, ...]:
+    """A per-depth tuple counting one at depth index ``d`` (the deepest tracked, past it).
+
+    >>> one_at(2)
+    (0.0, 0.0, 1.0)
+    """
+    d = min(d, MAX_POSITIONS - 1)
+    return (0.0,) * d + (1.0,)
 
 
 def _add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:

@@ -45,12 +45,15 @@ class LocalProposerSession:
         self._arrived = arrived
         self._index = NgramIndex(NgramConfig(max_nodes=limits.max_nodes, max_depth=limits.max_depth))
         self._tree: Stored = None
+        self.sent: TokenTree | None = None
         self.last_response = time.perf_counter()
         self.hidden_dtype: int | None = None  # n-gram needs no hidden states
         self.advance(prompt)
 
     def take(self, context_length: int, recent: list[int] | None = None) -> TokenTree | None:
-        tree, self._tree = serve_tree(self._tree, context_length, recent)
+        got = self._tree
+        tree, self._tree = serve_tree(got, context_length, recent)
+        self.sent = got[1] if tree is not None and got is not None else None
         return tree
 
     def has_tree_for(self, context_length: int) -> bool:

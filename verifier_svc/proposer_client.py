@@ -64,6 +64,7 @@ class GrpcProposerSession:
         self._outbox: asyncio.Queue[proposer_pb2.ProposeRequest | None] = asyncio.Queue()
         self._arrived = arrived  # shared with the engine: notified whenever a tree lands
         self._tree: tuple[int, TokenTree] | None = None
+        self.sent: TokenTree | None = None  # what the last take() served from, as the proposer sent it
         self.failed: str | None = None
         self._ended = False  # End sent (request finished, cancelled or failed)
         self.invalid_trees = 0
@@ -137,7 +138,9 @@ class GrpcProposerSession:
         is then re-rooted below the tokens accepted since (``tree.rebase``), when it predicted them.
         """
         with self._arrived:
-            tree, self._tree = serve_tree(self._tree, context_length, recent)
+            got = self._tree
+            tree, self._tree = serve_tree(got, context_length, recent)
+            self.sent = got[1] if tree is not None and got is not None else None
             return tree
 
     def has_tree_for(self, context_length: int) -> bool:

@@ -248,6 +248,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                     proposer_wait_ms_per_step=s.proposer_s_per_step * 1e3,
                     position_trials=list(s.trials),
                     position_accepted=list(s.hits),
+                    position_ends=list(s.ends),
+                    coverage=s.coverage,
                 )
             )
         status = self.router_stats.status()

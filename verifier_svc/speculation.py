@@ -54,6 +54,8 @@ class ProposerSession(Protocol):
     last_response: float  # perf_counter of its last answer (liveness)
     # The dtype the proposer asked its hidden states in (``HiddenStateRequest``); None: it takes none.
     hidden_dtype: int | None
+    # The tree as the proposer sent it that the last ``take`` served (before any re-rooting).
+    sent: TokenTree | None
 
     def take(self, context_length: int, recent: list[int] | None = None) -> TokenTree | None: ...
 
@@ -75,6 +77,7 @@ class Shadow:
     """A tree the gate skipped, walked along the tokens emitted after it."""
 
     tree: TokenTree
+    complete: bool = False  # the tree as the proposer ended it (see ``ended_by_proposer``)
     node: int = 0  # the walk's current node (-1: the root)
     matched: int = 0  # levels matched so far
 
@@ -90,6 +93,9 @@ class SpecState:
     shadow: Shadow | None = None
     k_cap: int | None = None  # the router's draft tokens per step; None: no cap
     failed_proposers: set[str] = field(default_factory=set)
+    # This step's tree as the proposer sent it, where the proposer ended it within the verifier's
+    # budget (empty: it had none); None: no tree, or one the budget may have cut.
+    offered: TokenTree | None = None
 
     @classmethod
     def start(cls, session: ProposerSession | None, k_cap: int | None, estimate: RequestEstimate | None) -> SpecState:
@@ -103,10 +109,14 @@ class SpecState:
             state.estimate = estimate
         return state
 
-    def observe(self, accepted: int, rejected: bool) -> None:
+    def observe(self, accepted: int, rejected: bool, ended: bool) -> None:
         """A verified tree: ``accepted`` levels taken; ``rejected``: the walk stopped at a node that
-        had children (a miss), not at a leaf (censored)."""
-        self.estimate.observe(levels_sample(0, accepted, rejected))
+        had children (a miss), not at a leaf (censored, or an end where the proposer ``ended``)."""
+        self.estimate.observe(levels_sample(0, accepted, rejected, ended))
+
+    def complete(self, tree: TokenTree) -> bool:
+        """Whether ``tree`` (verified or skipped this step) is the proposer's whole tree."""
+        return self.offered is not None and len(self.offered) == len(tree)
 
     def follow_shadow(self, emitted: list[int]) -> AcceptanceStats | None:
         """Walk the skipped tree along the emitted tokens. Each step's matched levels update the
@@ -116,12 +126,26 @@ class SpecState:
         shadow = self.shadow
         assert shadow is not None
         node, levels, rejected = follow(shadow.tree, shadow.node, emitted)
-        self.estimate.observe(levels_sample(shadow.matched, levels, bool(rejected)))
+        ended = shadow.complete and rejected is False
+        self.estimate.observe(levels_sample(shadow.matched, levels, bool(rejected), ended))
         if rejected is None:
             shadow.node, shadow.matched = node, shadow.matched + levels
             return None
         self.shadow = None
-        return AcceptanceStats.of_step(len(shadow.tree), shadow.matched + levels, rejected)
+        return AcceptanceStats.of_step(len(shadow.tree), shadow.matched + levels, rejected, ended=ended)
+
+
+def ended_by_proposer(tree: TokenTree, limits: ProposerLimits) -> bool:
+    """Whether the proposer ended ``tree`` itself: fewer nodes and levels than the verifier's budget
+    allowed, so its leaves are where it had nothing more (not where the budget stopped it).
+
+    >>> limits = ProposerLimits(vocab_size=100, max_nodes=4, max_depth=3)
+    >>> ended_by_proposer(TokenTree([5, 6], [-1, 0]), limits), ended_by_proposer(TokenTree([], []), limits)
+    (True, True)
+    >>> ended_by_proposer(TokenTree([5, 6, 7], [-1, 0, 1]), limits)    # as deep as allowed
+    False
+    """
+    return len(tree) < limits.max_nodes and max(depths(tree.parents), default=0) < limits.max_depth
 
 
 def expected_by_width(alphas: Sequence[float], parents: list[int], probs: list[float] | None = None) -> list[float]:
@@ -216,6 +240,10 @@ class SpeculationControl:
                 spec.counters.wait_s += waited
                 recent = seq.output[-self.config.recent_tokens :] if seq.req.temperature == 0 else None
                 tree = spec.session.take(seq.context_length, recent)
+                # A re-rooted tree ends where the tree it was cut from ends: judge that one.
+                sent = spec.session.sent
+                complete = tree is not None and sent is not None and ended_by_proposer(sent, spec.session.limits)
+                spec.offered = tree if complete else None
                 if tree is not None:
                     spec.last_tree = now
                     # The router's k caps the tree; whether to speculate at all is the cost gate's call,
@@ -245,7 +273,7 @@ class SpeculationControl:
         for seq, tree in zip(seqs, trees, strict=True):
             if len(tree) > width - 1:
                 if width == 1 and seq.spec.shadow is None:
-                    seq.spec.shadow = Shadow(tree)
+                    seq.spec.shadow = Shadow(tree, seq.spec.complete(tree))
                 tree = truncate(tree, width - 1)
             out.append(tree)
         return out
@@ -271,11 +299,15 @@ class SpeculationControl:
                 self.stats.accepted_tokens += len(path)
                 last = path[-1] if path else -1
                 rejected = last in tree.parents
-                spec.observe(len(path), rejected)
+                ended = not rejected and spec.complete(tree)  # a leaf of the proposer's own tree
+                spec.observe(len(path), rejected, ended)
                 spec.shadow = None
-                sample = AcceptanceStats.of_step(len(tree), len(path), rejected, self.last_wait)
+                sample = AcceptanceStats.of_step(len(tree), len(path), rejected, self.last_wait, ended)
                 add(samples, (spec.counters.proposer, tag), sample)
                 add(verified, spec.counters.proposer, sample)
+            elif spec.offered is not None and not len(spec.offered):  # the proposer had nothing
+                spec.estimate.observe_no_tree()
+                add(samples, (spec.counters.proposer, tag), AcceptanceStats.no_tree())
             emitted = [tree.tokens[k] for k in path] + [bonus]
             if spec.shadow is not None and not len(tree):
                 shadow = spec.follow_shadow(emitted)

@@ -86,6 +86,7 @@ class SseTally:
         ttft, gaps = token_gaps(self.t0, list(zip(self.times, spread_counts(self.counts, n), strict=True)))
         sp = self.spec or {}
         steps = int(sp.get("num_steps") or 0)
+        proposers = sp.get("proposers") or {}
         return {
             "transport": "http",
             "text": "".join(self.texts),
@@ -100,7 +101,15 @@ class SseTally:
             "mean_accepted_length": max(n - 1, 0) / steps if steps else 0.0,
             "accepted_length_counts": list(sp.get("acceptance_histogram") or []),
             "fallback_reason": sp.get("fallback_reason") or "",
-            "proposer": next(iter(sp.get("proposers") or {}), "none"),
+            "proposer": max(proposers, key=lambda p: proposers[p].get("num_spec_steps", 0), default="none"),
+            "proposers": {
+                name: {
+                    "steps": p.get("num_spec_steps", 0),
+                    "drafted": p.get("num_draft_tokens", 0),
+                    "accepted": p.get("num_accepted_draft_tokens", 0),
+                }
+                for name, p in proposers.items()
+            },
         }
 
 

@@ -204,7 +204,12 @@ def _service_request(
         "proposer_wait_ms": sp.proposer_wait_ms if sp else 0.0,
         "verify_ms": sp.verify_ms if sp else 0.0,
         "fallback_reason": sp.fallback_reason if sp else "",
-        "proposer": next(iter(sp.per_proposer), "none") if sp else "none",
+        # The proposer that drafted most of its steps (``auto`` may switch mid-request), and all of them.
+        "proposer": max(sp.per_proposer, key=lambda p: sp.per_proposer[p].steps, default="none") if sp else "none",
+        "proposers": {
+            name: {"steps": m.steps, "drafted": m.drafted_tokens, "accepted": m.accepted_tokens}
+            for name, m in (sp.per_proposer.items() if sp else ())
+        },
         **extra,
     }
 

@@ -378,6 +378,9 @@ class RouterStatsCollector:
                 "Decayed mean verifier wait for drafts per step",
                 labels=labels,
             ),
+            "coverage": GaugeMetricFamily(
+                "specmesh_router_coverage", "Decayed share of steps the proposer had a tree for", labels=labels
+            ),
         }
         pooled: dict[tuple[str, str, str], Any] = {}  # AcceptanceStats by label values
         for key, stats in self.backend.snapshot().items():

@@ -125,7 +125,7 @@ class GetRouterStatsRequest(_message.Message):
     def __init__(self, proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("model", "proposer", "workload_tag", "steps", "drafted_tokens", "accepted_tokens", "accepted_per_step", "drafted_per_step", "proposer_wait_ms_per_step", "position_trials", "position_accepted")
+    __slots__ = ("model", "proposer", "workload_tag", "steps", "drafted_tokens", "accepted_tokens", "accepted_per_step", "drafted_per_step", "proposer_wait_ms_per_step", "position_trials", "position_accepted", "position_ends", "coverage")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_TAG_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,8 @@ class RouterStats(_message.Message):
     PROPOSER_WAIT_MS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     POSITION_TRIALS_FIELD_NUMBER: _ClassVar[int]
     POSITION_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    POSITION_ENDS_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
     model: str
     proposer: str
     workload_tag: str
@@ -148,7 +150,9 @@ class RouterStats(_message.Message):
     proposer_wait_ms_per_step: float
     position_trials: _containers.RepeatedScalarFieldContainer[float]
     position_accepted: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., steps: _Optional[float] = ..., drafted_tokens: _Optional[float] = ..., accepted_tokens: _Optional[float] = ..., accepted_per_step: _Optional[float] = ..., drafted_per_step: _Optional[float] = ..., proposer_wait_ms_per_step: _Optional[float] = ..., position_trials: _Optional[_Iterable[float]] = ..., position_accepted: _Optional[_Iterable[float]] = ...) -> None: ...
+    position_ends: _containers.RepeatedScalarFieldContainer[float]
+    coverage: float
+    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., steps: _Optional[float] = ..., drafted_tokens: _Optional[float] = ..., accepted_tokens: _Optional[float] = ..., accepted_per_step: _Optional[float] = ..., drafted_per_step: _Optional[float] = ..., proposer_wait_ms_per_step: _Optional[float] = ..., position_trials: _Optional[_Iterable[float]] = ..., position_accepted: _Optional[_Iterable[float]] = ..., position_ends: _Optional[_Iterable[float]] = ..., coverage: _Optional[float] = ...) -> None: ...
 
 class GetRouterStatsResponse(_message.Message):
     __slots__ = ("backend", "connected", "detail", "half_life_s", "stats")

@@ -4,14 +4,20 @@ trees, and is what both the router's k and the verifier's width gate read."""
 from __future__ import annotations
 
 import random
+import threading
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
+from specmesh.server.tree import TokenTree
 from specmesh_router.cost_model import StepCost, choose_width
-from specmesh_router.estimate import RequestEstimate, expected_accepted, levels_sample
-from specmesh_router.stats import AcceptanceStats
-from tests.router.test_selection import feed, make_router
-from verifier_svc.speculation import expected_by_width
+from specmesh_router.estimate import Posterior, RequestEstimate, expected_accepted, levels_sample
+from specmesh_router.stats import AcceptanceStats, StatsKey
+from tests.router.test_selection import MODEL, feed, make_router
+from verifier_svc.events import EngineStats
+from verifier_svc.proposer_client import ProposerLimits
+from verifier_svc.speculation import SpecState, SpeculationConfig, SpeculationControl, expected_by_width
 
 
 def test_a_new_estimate_starts_at_the_shared_posterior_means(clock):
@@ -31,6 +37,23 @@ def test_censored_paths_never_pull_the_estimate_down():
     a1, a2, a3 = est.alphas(3)
     assert a1 > 0.95 and a2 > 0.95
     assert abs(a3 - 0.5) < 1e-9  # untried depth: its prior, not a miss
+
+
+def test_where_the_proposers_trees_end_is_a_miss_for_the_router_and_censored_for_the_gate():
+    """Trees the proposer itself ended at depth 2, accepted to the end: the gate (pricing a tree
+    that is there) keeps depth 3 at its prior; the router's posterior learns there is no depth 3."""
+    est = RequestEstimate((0.5, 0.5, 0.5))
+    for _ in range(10):
+        est.observe(levels_sample(0, 2, rejected=False, ended=True))
+    assert abs(est.alphas(3)[2] - 0.5) < 1e-9
+    routed = est.posterior(Posterior("draft", (), ()), 3).means()
+    assert routed[0] > 0.95 and routed[1] > 0.95 and routed[2] < 0.1
+    walked = levels_sample(0, 1, False) + levels_sample(1, 1, False, ended=True)  # a skipped tree's walk
+    assert (
+        walked
+        == levels_sample(0, 2, False, ended=True)
+        == replace(AcceptanceStats.of_step(2, 2, rejected=False, ended=True), steps=0.0, drafted=0.0, accepted=0.0)
+    )
 
 
 def test_a_skipped_trees_walk_counts_each_level_at_its_own_depth():
@@ -74,3 +97,50 @@ def test_the_proposers_path_probabilities_let_the_gate_cut_the_siblings_it_rates
     assert 1 < choose_width([with_probs], dear) <= 8
     # Without the probabilities, the chain model's value is the same for every width ≥ 7:
     assert expected_by_width(alphas, parents)[7:] == [expected_by_width(alphas, parents)[7]] * 26
+
+
+class ScriptedSession:
+    """A proposer stream whose next tree the test sets (``verifier_svc.speculation.ProposerSession``)."""
+
+    name, failed, invalid_trees, last_response, hidden_dtype = "draft", None, 0, 0.0, None
+
+    def __init__(self, limits: ProposerLimits) -> None:
+        self.limits = limits
+        self.next: TokenTree | None = None
+        self.sent: TokenTree | None = None
+
+    def take(self, context_length: int, recent: list[int] | None = None) -> TokenTree | None:
+        self.sent, self.next = self.next, None
+        return self.sent
+
+    def has_tree_for(self, context_length: int) -> bool:
+        return self.next is not None
+
+    def advance(self, tokens, hidden=None) -> None: ...
+
+    def fail(self, reason: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def test_the_verifier_records_where_the_proposer_ended_its_tree_not_where_the_budget_or_k_cut_it(clock):
+    router = make_router(clock)
+    control = SpeculationControl(SpeculationConfig(), EngineStats(), threading.Condition(), router=router)
+    session = ScriptedSession(ProposerLimits(vocab_size=100, max_nodes=4, max_depth=3))
+    req = SimpleNamespace(temperature=0.0, spec=SimpleNamespace(workload_tag="chat"))
+    seq = SimpleNamespace(spec=SpecState.start(session, None, None), context_length=10, length=10, output=[], req=req)
+
+    def step(tree: TokenTree, accepted: list[int], k_cap: int | None = None) -> None:
+        seq.spec.k_cap, session.next = k_cap, tree
+        trees = control.collect_trees([seq], max_context=1000)
+        control.after_step([seq], trees, [(accepted, 0)])
+
+    step(TokenTree([5, 6], [-1, 0]), [0, 1])  # its own 2-level chain, accepted to the end: an end at 2
+    step(TokenTree([5, 6, 7], [-1, 0, 1]), [0, 1, 2])  # as deep as the budget: censored
+    step(TokenTree([], []), [])  # nothing to propose: an end at 0
+    step(TokenTree([5, 6], [-1, 0]), [0], k_cap=1)  # cut to 1 node by the router's k: censored
+    step(TokenTree([5, 6], [-1, 0]), [0])  # missed at depth 2: a miss, not an end
+    got = router.stats.snapshot()[StatsKey(MODEL, "draft", "chat")]
+    assert got.ends == (1.0, 0.0, 1.0)
+    assert (got.hits, got.trials) == ((4.0, 2.0, 1.0), (4.0, 3.0, 1.0))
+    assert got.steps == 4.0  # the empty step carried no draft

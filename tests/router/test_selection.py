@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -155,6 +156,43 @@ def test_ucb_tries_an_unproven_proposer_and_greedy_does_not():
     ucb = choose([proven, unknown], step_time, 1, 8, SelectionConfig(exploration="ucb"))
     greedy = choose([proven, unknown], step_time, 1, 8, SelectionConfig(exploration="greedy"))
     assert ucb.proposer == "draft" and greedy.proposer == "ngram"
+
+
+def proposer_step(rng: random.Random, alpha: float, depth: int, coverage: float) -> AcceptanceStats:
+    """One step of a proposer that has a tree on a ``coverage`` share of steps: a chain it ends at
+    ``depth`` (within the verifier's budget), each token accepted with probability ``alpha``."""
+    if rng.random() >= coverage:
+        return AcceptanceStats.no_tree()
+    accepted = 0
+    while accepted < depth and rng.random() < alpha:
+        accepted += 1
+    return AcceptanceStats.of_step(depth, accepted, accepted < depth, 0.0005, ended=accepted == depth)
+
+
+@pytest.mark.parametrize(
+    ("good", "poor", "why"),
+    [
+        # α = 0.9 but trees of 3 levels (E = 2.4 tokens/step) against 8-token chains at α = 0.8 (E = 3.3).
+        (("ngram", 0.8, 8, 1.0), ("draft", 0.9, 3, 1.0), "depths the shallow proposer never drafts"),
+        # α = 0.9 on the 20% of steps it has a tree (E = 1.0, and a plain step otherwise) against 0.8 always.
+        (("draft", 0.8, 8, 1.0), ("ngram", 0.9, 8, 0.2), "steps the rare proposer has no tree for"),
+    ],
+)
+def test_the_router_credits_a_proposer_only_with_what_its_trees_can_deliver_per_step(clock, good, poor, why):
+    """Where a proposer's trees end by themselves, or it has none, is a miss for the router; the
+    conditional α's alone (the gate's view: ``count_ends=False``) pick the wrong proposer here."""
+    router = make_router(clock, exploration="greedy")
+    rng = random.Random(11)
+    for _ in range(400):
+        for name, alpha, depth, cover in (good, poor):
+            router.record(name, "chat", proposer_step(rng, alpha, depth, cover))
+        clock.advance(0.05)
+    assert router.decide("auto", "chat").proposer == good[0], why
+    conditional = router.posteriors(["ngram", "draft"], "chat", 32, count_ends=False)
+    fooled = choose([replace(p, coverage=1.0) for p in conditional], CPU, 1, 32, SelectionConfig(exploration="greedy"))
+    assert fooled.proposer == poor[0]
+    # The gate's estimate for a request stays conditional: a tree that is there is worth its α.
+    assert router.estimate(poor[0], "chat").alphas(1)[0] > 0.85
 
 
 def test_unknown_exploration_mode_is_refused():
