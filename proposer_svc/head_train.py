@@ -52,14 +52,22 @@ class HeadTrainConfig:
     threads: int = 2
     seed: int = 0
     max_prompts: int = 0  # 0 = every warm-up prompt (tests use a few)
+    # The first rows of each category are left out: those `specmesh bench --warmup-limit N` warms
+    # up on, so `auto` does not learn the head's acceptance on its own training prompts.
+    skip_per_category: int = 0
 
 
-def prompts(tokenizer: Any, path: Path = WARMUP) -> list[list[int]]:
-    """Chat-templated first turns of the workload file."""
+def prompts(tokenizer: Any, path: Path = WARMUP, skip_per_category: int = 0) -> list[list[int]]:
+    """Chat-templated first turns of the workload file, past the first ``skip_per_category`` rows
+    of each category."""
     out = []
+    seen: dict[str, int] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
+            seen[row["category"]] = seen.get(row["category"], 0) + 1
+            if seen[row["category"]] <= skip_per_category:
+                continue
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": row["turns"][0]}],
                 add_generation_prompt=True,
@@ -154,7 +162,7 @@ def train(target_spec: str | None, out: Path, cfg: HeadTrainConfig) -> dict[str,
     deadline = t_start + cfg.minutes * 60
     lm = load_model(target_spec, "cpu", "float32")
     model, tok = lm.model, lm.tokenizer
-    texts = prompts(tok)
+    texts = prompts(tok, skip_per_category=cfg.skip_per_category)
     random.Random(cfg.seed).shuffle(texts)
     if cfg.max_prompts:
         texts = texts[: cfg.max_prompts]
@@ -273,6 +281,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--lr", type=float, default=c.lr, help="AdamW learning rate")
     t.add_argument("--threads", type=int, default=c.threads, help="torch threads")
     t.add_argument("--max-prompts", type=int, default=c.max_prompts, help="use only this many prompts (0 = all)")
+    t.add_argument(
+        "--skip-per-category",
+        type=int,
+        default=c.skip_per_category,
+        help="leave out the first N rows of each category (those `specmesh bench --warmup-limit N` warms up on)",
+    )
     t.add_argument("--seed", type=int, default=c.seed, help="data order and initialisation")
     a = p.parse_args(argv)
     for flag, value, low in (
@@ -284,6 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("--lr", a.lr, 0),
         ("--threads", a.threads, 1),
         ("--max-prompts", a.max_prompts, 0),
+        ("--skip-per-category", a.skip_per_category, 0),
     ):
         if value < low:
             t.error(f"{flag} must be >= {low}, got {value}")
@@ -305,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         lr=a.lr,
         threads=a.threads,
         max_prompts=a.max_prompts,
+        skip_per_category=a.skip_per_category,
         seed=a.seed,
     )
     print(f"specmesh head train: {cfg.minutes:g} min on {cfg.threads} threads, into {a.out}", flush=True)
