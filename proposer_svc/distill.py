@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specmesh.server.flags import at_least
+
 log = logging.getLogger(__name__)
 WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "specbench_offline_dev.jsonl"
 
@@ -243,8 +245,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("--generate-fraction", a.generate_fraction, 0),
         ("--threads", a.threads, 1),
     ):
-        if value < low:
-            d.error(f"{flag} must be >= {low}, got {value}")
+        at_least(d, flag, value, low)
     if a.generate_fraction >= 1:
         d.error(f"--generate-fraction must be < 1, got {a.generate_fraction}")
     return a

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from specmesh.server.flags import at_least
+
 log = logging.getLogger(__name__)
 WARMUP = Path(__file__).resolve().parents[1] / "workloads" / "specbench_dev_warmup.jsonl"
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -300,8 +302,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("--max-prompts", a.max_prompts, 0),
         ("--skip-per-category", a.skip_per_category, 0),
     ):
-        if value < low:
-            t.error(f"{flag} must be >= {low}, got {value}")
+        at_least(t, flag, value, low)
     if not 0 <= a.generate_fraction < 1:
         t.error(f"--generate-fraction must be in [0, 1), got {a.generate_fraction}")
     return a

@@ -19,6 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "workloads" / "specbench_offline_dev.jsonl"
 
 
+def greedy_prompt_ids(chat_ids) -> list[list[int]]:
+    """The ≥ 20 templated workload prompts (4 per category, short) the greedy-equality tests run."""
+    texts = workload_prompts(per_category=4, max_chars=600)
+    assert len(texts) >= 20
+    return [chat_ids(t) for t in texts]
+
+
 def workload_prompts(per_category: int = 1, max_chars: int = 600, categories: tuple[str, ...] = ()) -> list[str]:
     """First turns of the vendored Spec-Bench-like workload, a few per category, kept short."""
     from specmesh.bench.workload import read_rows

@@ -159,9 +159,10 @@ class ServiceFlags:
         self.parser.error(message)
 
 
-def at_least(flags: ServiceFlags, flag: str, value: float, low: float) -> Any:
+def at_least(flags: ServiceFlags | argparse.ArgumentParser, flag: str, value: float, low: float) -> Any:
     """``value`` if it is ≥ ``low``, else a one-line flag error naming the limit (for limits that
-    depend on another flag, e.g. ``--max-n`` ≥ ``--min-n``; fixed ones are ``add(minimum=…)``)."""
+    depend on another flag, e.g. ``--max-n`` ≥ ``--min-n``; fixed ones are ``add(minimum=…)``, and
+    the limits of tools parsed with plain argparse)."""
     if value < low:
         flags.error(f"{flag} must be >= {low}, got {value}")
     return value

@@ -28,11 +28,11 @@ from support import (
     VerifierProcess,
     assert_greedy_equal,
     assert_second_tokens_chi_square,
+    greedy_prompt_ids,
     metric,
     second_token_counts,
     start_verifier,
     stop_verifier,
-    workload_prompts,
 )
 
 from proposer_svc.stream import ProposeStream, StreamConfig
@@ -132,9 +132,7 @@ def complete(d: Deployment, ids: list[int], proposer: str, n: int = GREEDY_TOKEN
 
 @pytest.fixture(scope="module")
 def prompts(chat_ids) -> list[list[int]]:
-    texts = workload_prompts(per_category=4, max_chars=600)
-    assert len(texts) >= 20
-    return [chat_ids(t) for t in texts]
+    return greedy_prompt_ids(chat_ids)
 
 
 @pytest.fixture(scope="module")

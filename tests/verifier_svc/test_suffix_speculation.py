@@ -29,6 +29,7 @@ from support import (
     assert_greedy_equal,
     assert_second_tokens_chi_square,
     assert_wrong_rules_fail,
+    greedy_prompt_ids,
     metric,
     second_token_counts,
     seeded_tree_walks,
@@ -155,9 +156,7 @@ def accepted(out, proposer: str) -> int:
 
 @pytest.fixture(scope="module")
 def prompts(chat_ids) -> list[list[int]]:
-    texts = workload_prompts(per_category=4, max_chars=600)
-    assert len(texts) >= 20
-    return [chat_ids(t) for t in texts]
+    return greedy_prompt_ids(chat_ids)
 
 
 @pytest.fixture(scope="module")
