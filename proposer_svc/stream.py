@@ -247,6 +247,14 @@ class ProposeStream(proposer_pb2_grpc.ProposerServiceServicer):
             if self.metrics is not None:
                 self.metrics.session_ended(outcome)
 
+    async def Learn(
+        self, request: proposer_pb2.LearnRequest, context: grpc.aio.ServicerContext
+    ) -> proposer_pb2.LearnResponse:
+        """Proposers that learn from past outputs (suffix) override this; the others say so, and the
+        verifier stops sending them outputs. (The generated base is synchronous: an asyncio server
+        would never answer it.)"""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.config.proposer} does not learn from outputs")
+
     async def _stream(
         self, requests: AsyncIterator[proposer_pb2.ProposeRequest]
     ) -> AsyncIterator[proposer_pb2.ProposeResponse]:

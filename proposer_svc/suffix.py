@@ -43,7 +43,7 @@ _SHIFT = np.array([42, 21, 0], dtype=np.int64)
 class SuffixConfig:
     max_depth: int = 24  # deepest node (the verifier's budget may cut further)
     max_nodes: int = 32
-    min_token_prob: float = 0.1  # nodes whose path probability is below are not proposed
+    min_token_prob: float = 0.2  # nodes whose path probability is below are not proposed
     spec_factor: float = 2.0  # depth ≤ spec_factor × match length + spec_offset
     spec_offset: int = 4
     min_match: int = 2  # shortest suffix matched (1-token matches propose noise on prose)

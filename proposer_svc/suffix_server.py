@@ -3,8 +3,10 @@
 Every stream proposes from its own context and from the global cache of its ``cache_scope``
 (``proposer_svc/suffix.py``); its accepted tokens enter that cache as they arrive, so running
 requests already learn from each other, and its whole output is kept (FIFO, bounded by
-``--max-cached-tokens``) when the stream ends. With ``--redis-url`` finished outputs are shared
-with every other suffix replica (``proposer_svc/suffix_share.py``).
+``--max-cached-tokens``) when the stream ends. ``Learn`` brings in the outputs of the requests
+that another proposer (or none) served, so the cache sees all traffic, not only its own. With
+``--redis-url`` finished outputs are shared with every other suffix replica
+(``proposer_svc/suffix_share.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ CACHE_BYTES = Gauge("specmesh_suffix_cache_bytes", "Bytes of the global cache ar
 SHARED = Counter(
     "specmesh_suffix_shared_outputs", "Outputs exchanged with other replicas", ["direction"], registry=REGISTRY
 )
+LEARNED = Counter(
+    "specmesh_suffix_learned_outputs",
+    "Outputs of requests served by other proposers (or none), taken in through Learn",
+    registry=REGISTRY,
+)
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,7 @@ class SuffixCore:
         return self.advance(prompt, budget)
 
     def advance(self, tokens: list[int], budget: proposer_pb2.TreeBudget) -> proposer_pb2.ProposeResponse:
-        if tokens and (min(tokens) < 0 or max(tokens) >= MAX_VOCAB):
-            bad = next(t for t in tokens if not 0 <= t < MAX_VOCAB)
-            raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, f"token id {bad} outside [0, {MAX_VOCAB})")
+        check_ids("token", tokens)
         req = self.request
         req.extend(tokens)
         t0 = time.perf_counter()
@@ -80,16 +85,60 @@ class SuffixCore:
             SHARED.labels("out").inc()
 
 
+def check_ids(what: str, tokens: list[int]) -> None:
+    if tokens and (min(tokens) < 0 or max(tokens) >= MAX_VOCAB):
+        bad = next(t for t in tokens if not 0 <= t < MAX_VOCAB)
+        raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{what} id {bad} outside [0, {MAX_VOCAB})")
+
+
+def check_scope(where: str, scope: str) -> None:
+    if len(scope) > MAX_SCOPE_CHARS or not scope.isprintable():  # as the verifier checks
+        raise StreamRefused(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{where}: must be printable and at most {MAX_SCOPE_CHARS} characters"
+        )
+
+
 def suffix_opener(cache: SuffixCache, metrics: ProposerMetrics, sharing: OutputSharing | None) -> Opener:
     def open_(start: proposer_pb2.ProposeStart, deliver: Deliver) -> SuffixCore:
-        if len(start.cache_scope) > MAX_SCOPE_CHARS or not start.cache_scope.isprintable():  # as the verifier checks
-            raise StreamRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"start.cache_scope: must be printable and at most {MAX_SCOPE_CHARS} characters",
-            )
+        check_scope("start.cache_scope", start.cache_scope)
         return SuffixCore(cache, start.cache_scope, metrics, sharing)
 
     return open_
+
+
+class SuffixService(ProposeStream):
+    """``Propose`` streams, plus ``Learn``: a finished output this proposer did not follow enters the
+    global cache of its scope (and, with Redis, every replica's), as a stream's output does at its end."""
+
+    def __init__(
+        self, config: StreamConfig, cache: SuffixCache, metrics: ProposerMetrics, sharing: OutputSharing | None
+    ):
+        super().__init__(config, suffix_opener(cache, metrics, sharing), metrics)
+        self.cache, self.sharing = cache, sharing
+
+    async def Learn(
+        self, request: proposer_pb2.LearnRequest, context: grpc.aio.ServicerContext
+    ) -> proposer_pb2.LearnResponse:
+        prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
+        try:
+            check_scope("cache_scope", request.cache_scope)
+            self._check_context(
+                f"prompt_token_ids + output_token_ids: {len(prompt) + len(output)} tokens", len(prompt) + len(output)
+            )
+            check_ids("prompt_token_ids: token", prompt)
+            check_ids("output_token_ids: token", output)
+        except StreamRefused as exc:
+            await context.abort(exc.code, exc.message)
+        # What a stream would have cached: its output, after its prompt with --cache-prompts.
+        tokens = np.asarray([*prompt, *output] if self.cache.config.cache_prompts else output, dtype=np.int32)
+        if not output:
+            return proposer_pb2.LearnResponse()
+        self.cache.ingest(request.cache_scope, tokens)
+        LEARNED.inc()
+        if self.sharing is not None:
+            self.sharing.publish(request.cache_scope, tokens)
+            SHARED.labels("out").inc()
+        return proposer_pb2.LearnResponse(learned_tokens=len(tokens))
 
 
 def build_flags() -> ServiceFlags:
@@ -165,7 +214,7 @@ async def run(cfg: SuffixServerConfig) -> None:
 
     sharing = OutputSharing(cfg.share, ingest) if cfg.share is not None else None
     config = StreamConfig(proposer="suffix", limits=cfg.serving.limits, vocab_size=0)
-    servicer = ProposeStream(config, suffix_opener(cache, metrics, sharing), metrics)
+    servicer = SuffixService(config, cache, metrics, sharing)
     try:
         await serve_proposer(proposer_server(cfg.serving), servicer, cfg.serving, "suffix")
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specmesh.server.auth import token_file
-from specmesh.server.flags import ServiceFlags, byte_size
+from specmesh.server.flags import ServiceFlags, boolean, byte_size
 from specmesh.server.packed_linear import add_linears_flag
 from specmesh.server.security import ServerSecurity, add_security_flags, security_config
 from verifier_svc.engine import EngineConfig
@@ -40,6 +40,7 @@ class VerifierConfig:
     admin_address: str = ""  # AdminService on its own port; "" = on `address`
     proposer_tls_ca: str = ""  # CA of the proposers' certificates: TLS to them; "" = plaintext
     proposer_token: str = field(default="", repr=False)  # tier token sent to the proposers
+    learn_outputs: bool = True  # every finished output to the tiers that did not follow it (Learn)
 
 
 def build_flags() -> ServiceFlags:
@@ -127,6 +128,13 @@ def build_flags() -> ServiceFlags:
         "workload tags exported as Prometheus label values; any other client tag is reported as 'other' "
         "(bounded series, no tenant names on /metrics)",
         metavar="TAG,TAG",
+    )
+    f.add(
+        "--learn-outputs",
+        True,
+        boolean,
+        "send every finished request's output to the proposer tiers that did not serve it (ProposerService.Learn), "
+        "so proposers that learn from past outputs (suffix) see all traffic; tiers that learn nothing are asked once",
     )
     f.add(
         "--proposer-wait-ms",
@@ -230,6 +238,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         admin_address=a.admin_address,
         proposer_tls_ca=a.proposer_tls_ca,
         proposer_token=proposer_token[0] if proposer_token else "",
+        learn_outputs=a.learn_outputs,
     )
 
 

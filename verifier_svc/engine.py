@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from specmesh_router.selection import Router
 
 log = logging.getLogger(__name__)
+# (request, its whole output, the proposers it had streams with): called once per finished request
+OutputHook = Callable[[GenerationRequest, list[int], Collection[str]], None]
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,14 @@ class Engine:
         metrics: VerifierMetrics | None = None,
         open_session: SessionFactory | None = None,
         trees_arrived: threading.Condition | None = None,
+        learn: OutputHook | None = None,
     ) -> None:
         """``step_cost``: None verifies every tree, else trees are cut where they do not pay.
         ``open_session``: opens a proposer stream when the router switches a request's proposer.
-        ``trees_arrived``: the condition proposer sessions notify when a tree lands."""
+        ``trees_arrived``: the condition proposer sessions notify when a tree lands.
+        ``learn``: told every finished request's output (``learning.OutputLearning.finished``)."""
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
-        self.metrics = metrics
+        self.metrics, self.learn = metrics, learn
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
         self.stats = EngineStats()
@@ -427,6 +431,8 @@ class Engine:
         seq.sink(seq.finish_event(reason, now))
         seq.done = True
         self.stats.finished += 1
+        if self.learn is not None:  # the proposers it had streams with learnt its output from them
+            self.learn(seq.req, seq.output, seq.spec.counters.per_proposer.keys())
 
     def _finish_error(self, seq: Sequence, message: str) -> None:
         if not seq.done:

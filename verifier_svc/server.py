@@ -37,6 +37,7 @@ from specmesh_router.stats import StatsBackend, StatsConfig, open_stats
 from verifier_svc.config import VerifierConfig, parse_args
 from verifier_svc.engine import Engine
 from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent, NeverFits
+from verifier_svc.learning import LearnConfig, OutputLearning
 from verifier_svc.local_proposer import inprocess_kind
 from verifier_svc.logprobs import TokenLogprob
 from verifier_svc.proposer_client import GrpcProposerSession
@@ -410,6 +411,9 @@ async def run(config: VerifierConfig) -> None:
     sessions = SessionOpener(
         tiers, policy, vocab, lm.name, asyncio.get_running_loop(), arrived, limits.max_tree_nodes, runner.vocab_size
     )
+    learning = None
+    if config.learn_outputs and stubs:
+        learning = OutputLearning(LearnConfig(), tiers, lm.name, asyncio.get_running_loop(), metrics)
     engine = Engine(
         runner,
         lm.tokenizer,
@@ -421,6 +425,7 @@ async def run(config: VerifierConfig) -> None:
         metrics=metrics,
         open_session=sessions.open,
         trees_arrived=arrived,
+        learn=learning.finished if learning is not None else None,
     )
     metrics.track_queue(engine.counts)
     metrics.track_kv_cache(lambda: runner.cache.allocated_bytes, kv_tokens * runner.cache.bytes_per_token)

@@ -182,6 +182,12 @@ class VerifierMetrics:
             ["proposer", "reason", *m],
             registry=r,
         )
+        self.learn_calls = Counter(
+            "specmesh_learn_calls",
+            "Finished outputs sent to proposer tiers that did not follow the request (Learn), by outcome",
+            ["proposer", "outcome", *m],
+            registry=r,
+        )
         self.hidden_copies = Counter(
             "specmesh_hidden_state_copies",
             "Host copies of hidden states for proposers that take them (one per step for the whole batch)",
@@ -217,6 +223,10 @@ class VerifierMetrics:
                 counter.labels(proposer, model)
             for reason in FALLBACK_CATEGORIES:
                 self.fallbacks.labels(proposer, reason, model)
+
+    def learned(self, proposer: str, outcome: str) -> None:
+        """One Learn call's outcome: ok, unimplemented (the tier learns nothing), error or dropped."""
+        self.learn_calls.labels(proposer, outcome, self.model).inc()
 
     def track_queue(self, counts: Callable[[], tuple[int, int]]) -> None:
         """Read (running, waiting) at scrape time, e.g. ``engine.counts``."""

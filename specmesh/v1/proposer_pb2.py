@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/proposer.proto\x12\x0bspecmesh.v1\"R\n\rVocabIdentity\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x02 \x01(\t\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\"2\n\nTreeBudget\x12\x11\n\tmax_nodes\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\"S\n\x10ProposalSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x92\x02\n\x0cProposeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x06\x62udget\x18\x03 \x01(\x0b\x32\x17.specmesh.v1.TreeBudget\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.specmesh.v1.ProposalSampling\x12)\n\x05vocab\x18\x05 \x01(\x0b\x32\x1a.specmesh.v1.VocabIdentity\x12\x14\n\x0ctarget_model\x18\x06 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x07 \x01(\t\x12\x0e\n\x06\x63orpus\x18\x08 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\t \x01(\t\"=\n\x12HiddenStateRequest\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.specmesh.v1.HiddenDtype\"Z\n\x0cHiddenStates\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.specmesh.v1.HiddenDtype\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x87\x01\n\x0eProposeAdvance\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x01 \x03(\x05\x12\'\n\x06\x62udget\x18\x02 \x01(\x0b\x32\x17.specmesh.v1.TreeBudget\x12\x30\n\rhidden_states\x18\x03 \x01(\x0b\x32\x19.specmesh.v1.HiddenStates\"\x0c\n\nProposeEnd\"\x9d\x01\n\x0eProposeRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.specmesh.v1.ProposeStartH\x00\x12.\n\x07\x61\x64vance\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.ProposeAdvanceH\x00\x12&\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x17.specmesh.v1.ProposeEndH\x00\x42\x07\n\x05\x65vent\".\n\x10NodeDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"v\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x34\n\rdistributions\x18\x03 \x03(\x0b\x32\x1d.specmesh.v1.NodeDistribution\x12\x12\n\npath_probs\x18\x04 \x03(\x02\"\x87\x01\n\x0fProposeResponse\x12\x16\n\x0e\x63ontext_length\x18\x01 \x01(\r\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x36\n\rhidden_states\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.HiddenStateRequest*z\n\x0bHiddenDtype\x12\x1c\n\x18HIDDEN_DTYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14HIDDEN_DTYPE_FLOAT16\x10\x01\x12\x19\n\x15HIDDEN_DTYPE_BFLOAT16\x10\x02\x12\x18\n\x14HIDDEN_DTYPE_FLOAT32\x10\x03\x32[\n\x0fProposerService\x12H\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/proposer.proto\x12\x0bspecmesh.v1\"R\n\rVocabIdentity\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x02 \x01(\t\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\"2\n\nTreeBudget\x12\x11\n\tmax_nodes\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\"S\n\x10ProposalSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x92\x02\n\x0cProposeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x06\x62udget\x18\x03 \x01(\x0b\x32\x17.specmesh.v1.TreeBudget\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.specmesh.v1.ProposalSampling\x12)\n\x05vocab\x18\x05 \x01(\x0b\x32\x1a.specmesh.v1.VocabIdentity\x12\x14\n\x0ctarget_model\x18\x06 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x07 \x01(\t\x12\x0e\n\x06\x63orpus\x18\x08 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\t \x01(\t\"=\n\x12HiddenStateRequest\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.specmesh.v1.HiddenDtype\"Z\n\x0cHiddenStates\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.specmesh.v1.HiddenDtype\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x87\x01\n\x0eProposeAdvance\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x01 \x03(\x05\x12\'\n\x06\x62udget\x18\x02 \x01(\x0b\x32\x17.specmesh.v1.TreeBudget\x12\x30\n\rhidden_states\x18\x03 \x01(\x0b\x32\x19.specmesh.v1.HiddenStates\"\x0c\n\nProposeEnd\"\x81\x01\n\x0cLearnRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctarget_model\x18\x05 \x01(\t\"\'\n\rLearnResponse\x12\x16\n\x0elearned_tokens\x18\x01 \x01(\r\"\x9d\x01\n\x0eProposeRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.specmesh.v1.ProposeStartH\x00\x12.\n\x07\x61\x64vance\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.ProposeAdvanceH\x00\x12&\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x17.specmesh.v1.ProposeEndH\x00\x42\x07\n\x05\x65vent\".\n\x10NodeDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"v\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x34\n\rdistributions\x18\x03 \x03(\x0b\x32\x1d.specmesh.v1.NodeDistribution\x12\x12\n\npath_probs\x18\x04 \x03(\x02\"\x87\x01\n\x0fProposeResponse\x12\x16\n\x0e\x63ontext_length\x18\x01 \x01(\r\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x36\n\rhidden_states\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.HiddenStateRequest*z\n\x0bHiddenDtype\x12\x1c\n\x18HIDDEN_DTYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14HIDDEN_DTYPE_FLOAT16\x10\x01\x12\x19\n\x15HIDDEN_DTYPE_BFLOAT16\x10\x02\x12\x18\n\x14HIDDEN_DTYPE_FLOAT32\x10\x03\x32\x9b\x01\n\x0fProposerService\x12H\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse(\x01\x30\x01\x12>\n\x05Learn\x12\x19.specmesh.v1.LearnRequest\x1a\x1a.specmesh.v1.LearnResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.proposer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HIDDENDTYPE']._serialized_start=1314
-  _globals['_HIDDENDTYPE']._serialized_end=1436
+  _globals['_HIDDENDTYPE']._serialized_start=1487
+  _globals['_HIDDENDTYPE']._serialized_end=1609
   _globals['_VOCABIDENTITY']._serialized_start=43
   _globals['_VOCABIDENTITY']._serialized_end=125
   _globals['_TREEBUDGET']._serialized_start=127
@@ -49,14 +49,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEADVANCE']._serialized_end=832
   _globals['_PROPOSEEND']._serialized_start=834
   _globals['_PROPOSEEND']._serialized_end=846
-  _globals['_PROPOSEREQUEST']._serialized_start=849
-  _globals['_PROPOSEREQUEST']._serialized_end=1006
-  _globals['_NODEDISTRIBUTION']._serialized_start=1008
-  _globals['_NODEDISTRIBUTION']._serialized_end=1054
-  _globals['_TOKENTREE']._serialized_start=1056
-  _globals['_TOKENTREE']._serialized_end=1174
-  _globals['_PROPOSERESPONSE']._serialized_start=1177
-  _globals['_PROPOSERESPONSE']._serialized_end=1312
-  _globals['_PROPOSERSERVICE']._serialized_start=1438
-  _globals['_PROPOSERSERVICE']._serialized_end=1529
+  _globals['_LEARNREQUEST']._serialized_start=849
+  _globals['_LEARNREQUEST']._serialized_end=978
+  _globals['_LEARNRESPONSE']._serialized_start=980
+  _globals['_LEARNRESPONSE']._serialized_end=1019
+  _globals['_PROPOSEREQUEST']._serialized_start=1022
+  _globals['_PROPOSEREQUEST']._serialized_end=1179
+  _globals['_NODEDISTRIBUTION']._serialized_start=1181
+  _globals['_NODEDISTRIBUTION']._serialized_end=1227
+  _globals['_TOKENTREE']._serialized_start=1229
+  _globals['_TOKENTREE']._serialized_end=1347
+  _globals['_PROPOSERESPONSE']._serialized_start=1350
+  _globals['_PROPOSERESPONSE']._serialized_end=1485
+  _globals['_PROPOSERSERVICE']._serialized_start=1612
+  _globals['_PROPOSERSERVICE']._serialized_end=1767
 # @@protoc_insertion_point(module_scope)

@@ -100,6 +100,26 @@ class ProposeEnd(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LearnRequest(_message.Message):
+    __slots__ = ("request_id", "cache_scope", "prompt_token_ids", "output_token_ids", "target_model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cache_scope: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    target_model: str
+    def __init__(self, request_id: _Optional[str] = ..., cache_scope: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., target_model: _Optional[str] = ...) -> None: ...
+
+class LearnResponse(_message.Message):
+    __slots__ = ("learned_tokens",)
+    LEARNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    learned_tokens: int
+    def __init__(self, learned_tokens: _Optional[int] = ...) -> None: ...
+
 class ProposeRequest(_message.Message):
     __slots__ = ("start", "advance", "end")
     START_FIELD_NUMBER: _ClassVar[int]

@@ -42,6 +42,11 @@ class ProposerServiceStub:
                 request_serializer=specmesh_dot_v1_dot_proposer__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_proposer__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.Learn = channel.unary_unary(
+                '/specmesh.v1.ProposerService/Learn',
+                request_serializer=specmesh_dot_v1_dot_proposer__pb2.LearnRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_proposer__pb2.LearnResponse.FromString,
+                _registered_method=True)
 
 
 class ProposerServiceServicer:
@@ -56,6 +61,16 @@ class ProposerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Learn(self, request, context):
+        """A finished request's output, for a proposer that learns from past outputs (suffix) and did
+        not follow the request itself (another proposer, or none, served it). Sent by the verifier
+        once per finished request; a proposer that learns nothing leaves it UNIMPLEMENTED, and the
+        verifier stops sending it any.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProposerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +78,11 @@ def add_ProposerServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specmesh_dot_v1_dot_proposer__pb2.ProposeRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_proposer__pb2.ProposeResponse.SerializeToString,
+            ),
+            'Learn': grpc.unary_unary_rpc_method_handler(
+                    servicer.Learn,
+                    request_deserializer=specmesh_dot_v1_dot_proposer__pb2.LearnRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_proposer__pb2.LearnResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -95,6 +115,33 @@ class ProposerService:
             '/specmesh.v1.ProposerService/Propose',
             specmesh_dot_v1_dot_proposer__pb2.ProposeRequest.SerializeToString,
             specmesh_dot_v1_dot_proposer__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Learn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.ProposerService/Learn',
+            specmesh_dot_v1_dot_proposer__pb2.LearnRequest.SerializeToString,
+            specmesh_dot_v1_dot_proposer__pb2.LearnResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -145,6 +145,42 @@ def test_an_output_is_proposed_to_later_requests_of_its_scope_and_never_to_anoth
     assert not prompt_only.tree.tokens
 
 
+async def learn(address: str, **fields) -> proposer_pb2.LearnResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await proposer_pb2_grpc.ProposerServiceStub(channel).Learn(
+            proposer_pb2.LearnRequest(**fields), timeout=30
+        )
+
+
+def test_learn_takes_an_output_it_did_not_follow_into_its_scope_and_refuses_bad_input(suffix):
+    port, base = suffix.metrics_port, 2000
+    prompt, output = [base + 1, base + 2, base + 3], [base + 10 + i for i in range(12)]
+    cases = [
+        ({"output_token_ids": [1, MAX_VOCAB]}, f"output_token_ids: token id {MAX_VOCAB} outside"),
+        ({"prompt_token_ids": [-1], "output_token_ids": [1, 2]}, "prompt_token_ids: token id -1 outside"),
+        ({"cache_scope": "tenant\nb", "output_token_ids": [1, 2]}, "cache_scope: must be printable"),
+    ]
+    learned = metric(port, "specmesh_suffix_learned_outputs_total")
+    for fields, message in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(learn(suffix.address, **fields))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details(), err.value
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # past --max-stream-tokens, as a stream would be
+        asyncio.run(learn(suffix.address, output_token_ids=[7] * 131_073))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+    assert metric(port, "specmesh_suffix_learned_outputs_total") == learned  # refusals learn nothing
+
+    reply = asyncio.run(learn(suffix.address, cache_scope="learnt", prompt_token_ids=prompt, output_token_ids=output))
+    assert reply.learned_tokens == len(output)  # the output only: no --cache-prompts
+    assert metric(port, "specmesh_suffix_learned_outputs_total") == learned + 1
+    asked = [base + 99, *output[:3]]
+    (other,) = asyncio.run(exchange(suffix.address, start(asked, scope="elsewhere")))
+    assert not other.tree.tokens
+    (same,) = asyncio.run(exchange(suffix.address, start(asked, scope="learnt")))
+    assert list(same.tree.tokens) == output[3 : 3 + len(same.tree.tokens)] and len(same.tree.tokens) >= 4
+    settled(port)
+
+
 def _option_blocks(help_text: str) -> dict[str, str]:
     """``--flag`` → its help paragraph, whitespace collapsed."""
     blocks, current = {}, None
@@ -168,7 +204,7 @@ def test_serve_suffix_help_lists_the_flags_with_their_defaults():
         "--address": "127.0.0.1:50064",
         "--metrics-port": "0",
         "--max-cached-tokens": "1000000",
-        "--min-token-prob": "0.1",
+        "--min-token-prob": "0.2",
         "--max-nodes": "32",
         "--max-depth": "24",
         "--max-match": "12",

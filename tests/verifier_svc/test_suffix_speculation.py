@@ -113,12 +113,14 @@ def cluster(tmp_path_factory, lm) -> Iterator[Cluster]:
         b = start_suffix(tmp, "b", *share, "--replica-name", "b")
         procs.append(b.proc)
         # Every tree verified (no cost gating) and waited for: every step with a tree exercises it.
+        # No Learn: B must learn what A served through Redis alone, as another verifier's replica would.
         v = start_verifier(
             tmp,
             "--proposer", f"suffix={a.address}",
             "--proposer", f"suffixb={b.address}",
             "--spec-gating", "always",
             "--proposer-wait-ms", "200",
+            "--learn-outputs", "false",
         )  # fmt: skip
     except BaseException:
         for proc in procs:
@@ -134,8 +136,8 @@ def cluster(tmp_path_factory, lm) -> Iterator[Cluster]:
         stop_redis(proc)
 
 
-def complete(c: Cluster, ids: list[int], proposer: str, scope: str, n: int = GREEDY_TOKENS):
-    with Client(c.verifier.address) as client:
+def complete(c: Cluster, ids: list[int], proposer: str, scope: str, n: int = GREEDY_TOKENS, address: str = ""):
+    with Client(address or c.verifier.address) as client:
         out = client.complete(
             ids, SamplingParams(temperature=0.0, max_tokens=n), SpecDecodeParams(proposer, cache_scope=scope)
         )
@@ -436,3 +438,40 @@ def test_a_scope_is_never_proposed_from_another_scopes_outputs(cluster, prompts,
     a.settled()
     assert a.global_trees() > sum(before.values())
     assert accepted(out_y, "suffix") > accepted(out_x, "suffix")
+
+
+def test_an_output_another_proposer_served_is_learnt_by_the_suffix_tier(
+    cluster, tmp_path, prompts, plain, lm, chat_ids
+):
+    """All traffic, not only the suffix tier's own: a second verifier, with in-process n-gram and
+    replica A, sends A (Learn) the output of a request that n-gram served; the same request through
+    A in that scope is then proposed from the global cache, and accepts more than in a fresh scope."""
+    a = cluster.a
+    questions = [chat_ids(t) for t in workload_prompts(per_category=4, max_chars=600, categories=("qa",))]
+    ids = next(q for q in questions if q in full_length(prompts, plain))  # an answer that copies little of its prompt
+    scope, fresh = f"learn-{RUN}", f"learn-fresh-{RUN}"
+    v = start_verifier(
+        tmp_path,
+        "--proposer", "ngram=inprocess:ngram",
+        "--proposer", f"suffix={a.address}",
+        "--spec-gating", "always",
+        "--proposer-wait-ms", "200",
+    )  # fmt: skip
+    try:
+        learned = a.metric("specmesh_suffix_learned_outputs_total")
+        assert_plain(lm, plain, ids, complete(cluster, ids, "ngram", scope, address=v.address))
+        deadline = time.monotonic() + 10
+        while a.metric("specmesh_suffix_learned_outputs_total") <= learned:
+            assert time.monotonic() < deadline, f"A never learnt the n-gram request's output:\n{v.log()[-2000:]}"
+            time.sleep(0.05)
+        a.settled()
+        before = a.global_trees()
+        again = complete(cluster, ids, "suffix", scope, address=v.address)
+        assert_plain(lm, plain, ids, again)
+        a.settled()
+        assert a.global_trees() > before
+        cold = complete(cluster, ids, "suffix", fresh, address=v.address)
+        assert_plain(lm, plain, ids, cold)
+        assert accepted(again, "suffix") > accepted(cold, "suffix")
+    finally:
+        stop_verifier(v)
