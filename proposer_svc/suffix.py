@@ -662,6 +662,14 @@ class SuffixCache:
         with self.lock:
             self._append(scope, tokens)
 
+    def learn(self, scope: str, prompt: list[int], output: list[int]) -> np.ndarray:
+        """A finished request that no stream followed enters the cache as its stream's would have
+        (``SuffixRequest.extend``): its output, after its prompt with ``cache_prompts``. Returns the
+        tokens cached (for sharing)."""
+        tokens = np.asarray([*prompt, *output] if self.config.cache_prompts else output, dtype=np.int32)
+        self.ingest(scope, tokens)
+        return tokens
+
     def _append(self, scope: str, tokens: np.ndarray) -> None:
         s = self.scope(scope)
         s.tail.extend(tokens)

@@ -79,10 +79,14 @@ class SuffixCore:
         )
 
     def close(self) -> None:
-        tokens = self.request.close()
-        if self.sharing is not None and len(tokens):
-            self.sharing.publish(self.request.scope, tokens)
-            SHARED.labels("out").inc()
+        publish(self.sharing, self.request.scope, self.request.close())
+
+
+def publish(sharing: OutputSharing | None, scope: str, tokens: np.ndarray) -> None:
+    """A finished output, now in this replica's cache, to the other replicas (with Redis)."""
+    if sharing is not None and len(tokens):
+        sharing.publish(scope, tokens)
+        SHARED.labels("out").inc()
 
 
 def check_ids(what: str, tokens: list[int]) -> None:
@@ -129,15 +133,11 @@ class SuffixService(ProposeStream):
             check_ids("output_token_ids: token", output)
         except StreamRefused as exc:
             await context.abort(exc.code, exc.message)
-        # What a stream would have cached: its output, after its prompt with --cache-prompts.
-        tokens = np.asarray([*prompt, *output] if self.cache.config.cache_prompts else output, dtype=np.int32)
         if not output:
             return proposer_pb2.LearnResponse()
-        self.cache.ingest(request.cache_scope, tokens)
+        tokens = self.cache.learn(request.cache_scope, prompt, output)
         LEARNED.inc()
-        if self.sharing is not None:
-            self.sharing.publish(request.cache_scope, tokens)
-            SHARED.labels("out").inc()
+        publish(self.sharing, request.cache_scope, tokens)
         return proposer_pb2.LearnResponse(learned_tokens=len(tokens))
 
 
