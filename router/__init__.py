@@ -5,7 +5,7 @@ statistics (``router.stats``: in process or shared through Redis) and the measur
 verification step (``router.cost_model``). ``router.selection`` holds the policy core.
 """
 
-from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width
+from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width, choose_widths
 from specmesh_router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
 from specmesh_router.selection import Decision, Router, SelectionConfig, choose
 from specmesh_router.stats import AcceptanceStats, StatsBackend, StatsConfig, StatsKey, open_stats
@@ -24,6 +24,7 @@ __all__ = [
     "StepCost",
     "choose",
     "choose_width",
+    "choose_widths",
     "open_stats",
     "resolve_proposer",
 ]

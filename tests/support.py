@@ -19,6 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "workloads" / "specbench_offline_dev.jsonl"
 
 
+def tiny_llama(**overrides):
+    """A 2-layer grouped-query Llama with random weights (seed 0), for runner-level tests without the model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**(cfg | overrides))).eval()
+
+
 def greedy_prompt_ids(chat_ids) -> list[list[int]]:
     """The ≥ 20 templated workload prompts (4 per category, short) the greedy-equality tests run."""
     texts = workload_prompts(per_category=4, max_chars=600)

@@ -144,6 +144,14 @@ def build_flags() -> ServiceFlags:
         minimum=0,
     )
     f.add(
+        "--step-layout",
+        "packed",
+        str,
+        "decode steps with trees: packed = only the batch's real tokens, each row paying for its own tree (rows "
+        "sized apart); padded = every row padded to the widest tree (one width for the batch)",
+        choices=["packed", "padded"],
+    )
+    f.add(
         "--proposer-timeout",
         2.0,
         float,
@@ -231,7 +239,11 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
             max_running=a.max_running,
             max_waiting=a.max_waiting,
             prefill_chunk_tokens=a.prefill_chunk,
-            speculation=SpeculationConfig(proposer_wait_ms=a.proposer_wait_ms, proposer_timeout_s=a.proposer_timeout),
+            speculation=SpeculationConfig(
+                proposer_wait_ms=a.proposer_wait_ms,
+                proposer_timeout_s=a.proposer_timeout,
+                packed_steps=a.step_layout == "packed",
+            ),
         ),
         security=security_config(p, a, "proposer_tls_ca"),
         admin_tokens=token_file(p, a, "admin_token_file"),

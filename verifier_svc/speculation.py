@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from specmesh.server.tree import TokenTree, depths, follow, truncate
 from specmesh.v1 import proposer_pb2
-from specmesh_router.cost_model import LiveStepCost, choose_width
+from specmesh_router.cost_model import LiveStepCost, choose_widths
 from specmesh_router.estimate import RequestEstimate, expected_accepted, levels_sample
 from specmesh_router.stats import AcceptanceStats
 from verifier_svc.events import EngineStats, ProposerCounts, SpecCounters
@@ -193,6 +193,7 @@ class SpeculationConfig:
     proposer_timeout_s: float = 2.0  # no answer for this long → speculation off for the request
     redecide_steps: int = 16  # the router revisits a request's proposer and k this often (steps)
     recent_tokens: int = 32  # how far a late tree may be re-rooted (greedy requests)
+    packed_steps: bool = True  # steps hold real tokens only (each row pays for its own tree): the gate sizes rows apart
 
 
 class SpeculationControl:
@@ -227,7 +228,7 @@ class SpeculationControl:
                 expected_accepted(s.spec.estimate.alphas(s.spec.session.limits.max_depth)) if s.spec.session else [0.0]
                 for s in seqs
             ]
-            if choose_width(chains, self.step_cost) == 1:
+            if max(choose_widths(chains, self.step_cost, self.config.packed_steps)) == 1:
                 promising = []
         wanted = [(s.spec.session, s.context_length) for s in promising]
         waited = wait_for_trees(self.trees_arrived, wanted, self.config.proposer_wait_ms / 1e3) if wanted else 0.0
@@ -263,14 +264,15 @@ class SpeculationControl:
         return trees
 
     def _gate(self, seqs: list[Sequence], trees: list[TokenTree]) -> list[TokenTree]:
-        """Cut every tree to the batch's best step width (maybe 1: no speculation this step)."""
+        """Cut every tree to its row's best step width (maybe 1: no speculation for it this step):
+        one width for the batch where steps are padded, one per row where they are packed."""
         expected = [
             expected_by_width(seq.spec.estimate.alphas(max(depths(tree.parents), default=1)), tree.parents, tree.probs)
             for seq, tree in zip(seqs, trees, strict=True)
         ]
-        width = choose_width(expected, self.step_cost)
+        widths = choose_widths(expected, self.step_cost, self.config.packed_steps)
         out = []
-        for seq, tree in zip(seqs, trees, strict=True):
+        for seq, tree, width in zip(seqs, trees, widths, strict=True):
             if len(tree) > width - 1:
                 if width == 1 and seq.spec.shadow is None:
                     seq.spec.shadow = Shadow(tree, seq.spec.complete(tree))

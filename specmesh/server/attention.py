@@ -18,16 +18,55 @@ On CUDA the runner may also pass, per forward, the Triton tree-attention kernel'
 the mask (``specmesh_kernels.tree_attention.TreeMeta``, keyword ``specmesh_tree``): such forwards
 run the kernel on the cache's own key/value views instead. One attention function, registered with
 transformers once, serves both paths.
+
+A **packed** forward (keyword ``specmesh_packed``, a :class:`Packing`) brings the batch's real
+tokens only, as one row [1, N]: the linear layers, most of a step's work, then skip the padding a
+[b, width] layout gives every row shorter than the widest. Attention alone needs the rows apart
+(each reads its own slot of the cache): its queries are scattered into the padded [b, H, width, D]
+layout, attend as above under the padded mask, and are gathered back.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 ATTN_NAME = "specmesh"
 META_KWARG = "specmesh_tree"  # the tree kernel's mask metadata, passed through the decoder's kwargs
+PACK_KWARG = "specmesh_packed"  # a packed forward's Packing, passed the same way
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where packed token t sits in the padded layout: row ``rows[t]``, column ``cols[t]``.
+
+    rows, cols: int64 [N] (row-major: row 0's tokens first); the padded layout is [batch, width].
+    """
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    batch: int
+    width: int
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, H, N, D] → [b, H, width, D] (padding slots zero).
+
+        >>> pk = Packing(torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]), batch=2, width=2)
+        >>> pk.pad(torch.arange(3.0).view(1, 1, 3, 1))[:, 0, :, 0].tolist()
+        [[0.0, 1.0], [2.0, 0.0]]
+        """
+        _, heads, _, dim = x.shape
+        out = x.new_zeros(self.batch, self.width, heads, dim)
+        out[self.rows, self.cols] = x[0].transpose(0, 1)  # [N, H, D]
+        return out.transpose(1, 2)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, width, H, D] → [1, N, H, D]: the real tokens back in packed order."""
+        return x[self.rows, self.cols][None]
+
+
 _folded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (mask, groups, fold): all layers share one mask
 
 
@@ -63,6 +102,12 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [b, H, n, D], key/value [b, kv_heads, kv, D] → ([b, n, H, D], None)."""
+    packing: Packing | None = kwargs.pop(PACK_KWARG, None)
+    if packing is not None:
+        out, _ = attention_forward(
+            module, packing.pad(query), key, value, attention_mask, dropout, scaling, **kwargs
+        )  # [b, width, H, D]
+        return packing.unpad(out), None
     global _folded
     meta = kwargs.pop(META_KWARG, None)
     if meta is not None and query.dtype in (torch.float16, torch.bfloat16, torch.float32) and key.stride(3) == 1:

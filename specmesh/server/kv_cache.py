@@ -150,19 +150,27 @@ class SlotKVCache:
             buf[dst, :, :length].copy_(buf[src, :, :length])
 
     # --- forward protocol ---------------------------------------------------------------
-    def begin_forward(self, rows: slice, write_pos: torch.Tensor, kv_len: int) -> None:
+    def begin_forward(
+        self, rows: slice, write_pos: torch.Tensor, kv_len: int, token_rows: torch.Tensor | None = None
+    ) -> None:
         """Next forward runs over slots ``rows``; token j of row i goes to ``write_pos[i, j]``.
 
         write_pos: int64 [b, n]; kv_len: keys/values returned per layer cover positions < kv_len.
+        ``token_rows``: a packed forward (one row [1, N] of every request's tokens): token t belongs
+        to row ``token_rows[0, t]`` (relative to ``rows``) and goes to its position ``write_pos[0, t]``.
         """
         self.reserve(rows.stop, kv_len)
         self._rows, self._write_pos, self._kv_len = rows, write_pos, kv_len
-        self._batch_index = torch.arange(rows.stop - rows.start, device=self.device)[:, None]  # [b, 1]
+        if token_rows is not None:
+            self._batch_index = token_rows  # [1, N]
+        else:
+            self._batch_index = torch.arange(rows.stop - rows.start, device=self.device)[:, None]  # [b, 1]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new keys/values ([b, kv_heads, n, dim]) and return [b, kv_heads, kv_len, dim] views."""
+        """Write new keys/values ([b, kv_heads, n, dim]; packed: [1, kv_heads, N, dim]) and return the
+        rows' [b, kv_heads, kv_len, dim] views."""
         k = self.keys[layer_idx][self._rows]  # [b, kv_heads, seq_cap, dim], a view
         v = self.values[layer_idx][self._rows]
         # Advanced indices around a slice put their dims first: k[b_idx, :, pos] is [b, n, kv_heads, dim].

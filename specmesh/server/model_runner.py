@@ -1,9 +1,10 @@
 """Runs the stock HF causal LM over the slot KV cache with explicit positions and masks.
 
 One call = one forward pass over a contiguous range of slots, each row bringing ``n`` new
-tokens (ragged rows are right-padded). Masks are boolean [b, n, kv_len] (True = attend) and
-become the float 4D mask transformers passes through unchanged. The same entry point serves
-chunked prefill, plain decode and, later, token-tree verification (ancestor masks).
+tokens: ragged rows right-padded, or packed into one row of the real tokens alone
+(``attention.Packing``). Masks are boolean [b, n, kv_len] (True = attend) and become the float
+4D mask transformers passes through unchanged. The same entry point serves chunked prefill,
+plain decode and token-tree verification (ancestor masks).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class ModelRunner:
         # The kernel applies neither sliding windows nor soft-capping either: supported models only.
         supported = attention.supports(cfg)
         self.tree_kernel = supported and (device.type == "cuda" if tree_kernel is None else tree_kernel)
+        self.packs = supported  # packed forwards need this module's attention function
         if supported:
             model.set_attn_implementation(attention.register())
 
@@ -90,15 +92,17 @@ class ModelRunner:
         positions: torch.Tensor,
         mask: torch.Tensor,
         write_pos: torch.Tensor | None = None,
+        packing: attention.Packing | None = None,
     ) -> torch.Tensor:
         """Hidden states of the new tokens.
 
         input_ids, positions: int64 [b, n]; mask: bool [b, n, kv_len]; write_pos: int64 [b, n]
         (cache slots for the new tokens; defaults to ``positions``) → [b, n, hidden].
+        ``packing`` (only where ``packs``): run only the real tokens it lists, as one row, and
+        return theirs → [1, N, hidden] in its order (see ``attention``).
         """
         kv_len = mask.shape[-1]
         write_pos = positions if write_pos is None else write_pos
-        self.cache.begin_forward(rows, write_pos, kv_len)
         tree: dict[str, Any] = {}
         if self.tree_kernel:  # the kernel's form of the mask, or SDPA with the dense mask for this forward
             from specmesh_kernels.tree_attention import tree_meta_from_mask
@@ -106,6 +110,13 @@ class ModelRunner:
             meta = tree_meta_from_mask(mask, write_pos)
             if meta is not None:
                 tree[attention.META_KWARG] = meta
+        if packing is not None:
+            at = (packing.rows, packing.cols)
+            input_ids, positions, write_pos = input_ids[at][None], positions[at][None], write_pos[at][None]  # [1, N]
+            self.cache.begin_forward(rows, write_pos, kv_len, token_rows=packing.rows[None])
+            tree[attention.PACK_KWARG] = packing
+        else:
+            self.cache.begin_forward(rows, write_pos, kv_len)
         attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
         attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
         out = self.decoder(

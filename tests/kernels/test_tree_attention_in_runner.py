@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import support
 import torch
 
 from specmesh.server.model_runner import ModelRunner, causal_mask
@@ -52,14 +53,7 @@ def test_masks_the_kernel_cannot_express_are_refused():
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return support.tiny_llama()
 
 
 def test_model_runner_through_the_kernel_matches_the_sdpa_path(tiny_llama, monkeypatch):

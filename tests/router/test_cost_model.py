@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 import threading
 
-from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width
+from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width, choose_widths, hull_steps
 
 # Shaped like this CPU's start-up table (ms): one row's cost rises slowly with width, eight rows' fast.
 TABLE = StepCost(
@@ -73,3 +75,44 @@ def test_concurrent_observers_and_readers_never_see_a_broken_value():
         t.join()
     assert not errors
     assert abs(live.ratio(4, 4) - 1.5) < 1e-6
+
+
+def _curve(rng: random.Random, nodes: int) -> list[float]:
+    """E(w) for w = 1..nodes + 1: a chain's Σ Π α, with flat steps where a sibling adds nothing at once."""
+    out, reach = [0.0], 1.0
+    for _ in range(nodes):
+        if rng.random() < 0.3:
+            out.append(out[-1])  # a sibling: pays only with the node below it
+        else:
+            reach *= rng.uniform(0.2, 0.95)
+            out.append(out[-1] + reach)
+    return out
+
+
+def _packed_goodput(curves: list[list[float]], widths: tuple[int, ...] | list[int]) -> float:
+    rows = len(curves)
+    return sum(1 + e[w - 1] for e, w in zip(curves, widths, strict=True)) / TABLE(rows, sum(widths) / rows)
+
+
+def test_packed_widths_come_within_3_percent_of_the_best_batch_and_never_lose_to_one_shared_width():
+    rng = random.Random(3)
+    for _ in range(60):
+        rows = rng.choice([2, 4])
+        curves = [_curve(rng, rng.randint(0, 6)) for _ in range(rows)]
+        best = max(
+            _packed_goodput(curves, ws) for ws in itertools.product(*[range(1, len(e) + 1) for e in curves])
+        )  # brute force over every row's every cut
+        got = _packed_goodput(curves, choose_widths(curves, TABLE, packed=True))
+        shared = choose_widths(curves, TABLE, packed=False)
+        padded_cost_choice = [min(w, len(e)) for w, e in zip(shared, curves, strict=True)]
+        assert got >= 0.97 * best
+        assert got >= 0.98 * _packed_goodput(curves, padded_cost_choice)
+
+
+def test_at_eight_rows_packed_steps_verify_the_one_good_tree_that_padded_steps_must_cut():
+    good = [0.0, 0.9, 1.7, 2.4, 3.0, 3.5, 3.9, 4.2]  # a request copying its prompt
+    curves = [good] + [[0.0, 0.1, 0.15]] * 7  # seven rows whose trees rarely pay
+    assert choose_width(curves, TABLE) <= 2  # padded: all eight rows would pay for the widest
+    widths = choose_widths(curves, TABLE, packed=True)
+    assert widths[0] > 4 and widths[1:] == [1] * 7
+    assert [w for w, _ in hull_steps(good)] == [2, 3, 4, 5, 6, 7, 8]  # concave already: node by node

@@ -34,8 +34,8 @@ class Collector:
 
 
 def _request(rid: str, ids: list[int], max_tokens: int, **kw) -> GenerationRequest:
-    args = dict(temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(), ignore_eos=False) | kw
-    return GenerationRequest(rid, ids, max_tokens=max_tokens, spec=NO_SPEC, **args)
+    args = dict(temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(), ignore_eos=False, spec=NO_SPEC) | kw
+    return GenerationRequest(rid, ids, max_tokens=max_tokens, **args)
 
 
 def test_staggered_joins_chunked_prefill_and_early_finishers_match_greedy(lm, chat_ids, hf_greedy, engine_factory):
@@ -115,3 +115,45 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
     spec = got.finish.spec
     assert spec.steps > 0 and spec.accepted > 0  # verified trees, and they paid
     assert got.finish.steps < 48, f"{got.finish.steps} steps for 64 tokens"  # well under one token per step
+
+
+def test_packed_steps_verify_a_batch_of_ragged_trees_to_plain_greedy_computing_fewer_tokens(lm, chat_ids, hf_greedy):
+    """Four n-gram requests and one plain one decode together, every tree verified (no cost gate),
+    once with steps packed (real tokens only) and once padded to the widest tree."""
+    from verifier_svc.local_proposer import LocalProposerSession
+    from verifier_svc.proposer_client import ProposerLimits
+    from verifier_svc.speculation import SpeculationConfig
+
+    class CountingRunner(ModelRunner):
+        tokens = 0  # tokens the decode forwards computed (padding included)
+
+        def forward(self, rows, input_ids, positions, mask, write_pos=None, packing=None):
+            out = super().forward(rows, input_ids, positions, mask, write_pos, packing)
+            if write_pos is not None:  # decode steps (prefill passes none)
+                self.tokens += out.shape[0] * out.shape[1]
+            return out
+
+    prompts = [chat_ids(p) for p in workload_prompts(per_category=1, max_chars=1200)[:5]]
+    outputs, computed = {}, {}
+    for packed in (True, False):
+        runner = CountingRunner(lm.model, lm.device, lm.dtype, max_context=8192)
+        eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(speculation=SpeculationConfig(packed_steps=packed)))
+        eng.start()
+        try:
+            limits = ProposerLimits(vocab_size=runner.vocab_size, max_nodes=16, max_depth=8)
+            got = [Collector() for _ in prompts]
+            for i, ids in enumerate(prompts):
+                plain = i == len(prompts) - 1
+                req = _request(f"r{i}", ids, 24, spec=NO_SPEC if plain else SpecRequest("ngram", 0, 0, "", ""))
+                session = None if plain else LocalProposerSession("ngram", ids, limits, eng.trees_arrived)
+                eng.submit(req, got[i], session, k_cap=None)
+            assert all(c.done.wait(300) for c in got)
+        finally:
+            eng.shutdown()
+        assert eng.packed == packed
+        outputs[packed], computed[packed] = [c.tokens for c in got], runner.tokens
+        assert sum(c.finish.spec.drafted for c in got) > 0  # trees were verified
+    for ids, a, b in zip(prompts, outputs[True], outputs[False], strict=True):
+        assert_greedy_equal(lm, ids, a, hf_greedy(ids, 24))
+        assert a == b
+    assert computed[True] < 0.8 * computed[False], computed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import support
 import torch
 
 from specmesh.server.model_runner import ModelRunner, causal_mask
@@ -29,14 +30,7 @@ def test_packed_linear_matches_the_stock_linear_for_every_row_count_and_rank(sha
 
 @pytest.fixture
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return support.tiny_llama(tie_word_embeddings=True)
 
 
 def test_pack_linears_swaps_every_linear_including_the_tied_head_and_keeps_the_embedding(tiny_llama):
