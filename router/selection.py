@@ -258,8 +258,13 @@ class Router:
         """Proposer and k for a request (at its start, and again every few steps with ``current``).
 
         ``exclude``: proposers that cannot serve this request (e.g. rag without a corpus).
-        ``estimate``: the request's own acceptance under ``current``; it replaces the shared
-        posterior of that proposer, so the k chosen and the verifier's width gate read one model."""
+        ``estimate``: the request's own acceptance under ``current`` (a re-decision by the engine).
+        The request then moves, without exploration, only to a proposer that beats ``current`` on
+        the shared statistics' means and beats what the request's own estimate promises: that
+        estimate follows the request's last few steps and knows nothing of the others, so alone
+        against their pooled posteriors it would move a request off its proposer whenever its text
+        turns hard for a while, where the others fare no better on average. A request that stays
+        gets its k from its estimate, so the k chosen and the verifier's width gate read one model."""
         policy = self.policy.get()
         available = tuple(n for n in self.available if n not in exclude)
         names, why = candidates(requested, policy, available)
@@ -268,10 +273,16 @@ class Router:
             return Decision("none", 0, baseline, baseline, reason=why)
         cap = k_cap(self.config, num_speculative_tokens, policy.num_speculative_tokens)
         posts = self.posteriors(names, workload_tag, cap)
-        if estimate is not None:
-            posts = [estimate.posterior(p, cap) if p.proposer == current else p for p in posts]
+        steps = self.step_time, max(batch, 1), cap
+        if estimate is not None and current in names:
+            means = replace(self.config, exploration="greedy")
+            mine = [estimate.posterior(p, cap) if p.proposer == current else p for p in posts]
+            pooled, own = choose(posts, *steps, means, None, current), choose(mine, *steps, means, None, current)
+            if pooled.proposer == own.proposer != current and own.speculate:
+                return own
+            return choose([p for p in mine if p.proposer == current], *steps, means, None, current)
         with self._rng_lock:
-            return choose(posts, self.step_time, max(batch, 1), cap, self.config, self._rng, current)
+            return choose(posts, *steps, self.config, self._rng, current)
 
     def estimate(self, proposer: str, workload_tag: str = "") -> RequestEstimate:
         """A new request's acceptance estimate under ``proposer``: the shared posterior's means

@@ -198,3 +198,37 @@ def test_the_router_credits_a_proposer_only_with_what_its_trees_can_deliver_per_
 def test_unknown_exploration_mode_is_refused():
     with pytest.raises(ValueError, match="exploration"):
         SelectionConfig(exploration="epsilon")
+
+
+def test_mid_request_a_proposer_takes_over_only_where_it_beats_the_current_on_average_and_for_this_request(clock):
+    """Thompson sampling is on, yet a re-decision (the engine passes the request's estimate) never
+    explores: the same answer for every draw."""
+    from specmesh_router.estimate import levels_sample
+
+    router = make_router(clock)
+    feed(router, clock, random.Random(3), {"ngram": 0.75, "draft": 0.7}, "chat", 300)
+
+    def decide(current: str, estimate) -> set[tuple[str, bool]]:
+        return {
+            (d.proposer, d.speculate)
+            for d in (router.decide("auto", "chat", 0, 1, current, (), estimate) for _ in range(20))
+        }
+
+    # A request whose last steps on n-gram missed: draft is no better on average, so it stays, and
+    # its own estimate turns speculation off (the gate decodes plainly and keeps scoring its trees).
+    hard = router.estimate("ngram", "chat")
+    for _ in range(8):
+        hard.observe(levels_sample(0, 0, rejected=True))
+    assert decide("ngram", hard) == {("ngram", False)}
+    # Negative control: its estimate alone against draft's pooled posterior (the rule before) moves it.
+    posts = router.posteriors(["ngram", "draft"], "chat", 32)
+    mine = [hard.posterior(p, 32) if p.proposer == "ngram" else p for p in posts]
+    assert choose(mine, CPU, 1, 32, SelectionConfig(exploration="greedy"), current="ngram").proposer == "draft"
+
+    # A request started on draft (exploration) that fares as draft does on average moves to n-gram.
+    assert decide("draft", router.estimate("draft", "chat")) == {("ngram", True)}
+    # One whose draft trees keep matching stays, although n-gram is better on average.
+    matching = router.estimate("draft", "chat")
+    for _ in range(8):
+        matching.observe(levels_sample(0, 8, rejected=False))
+    assert decide("draft", matching) == {("draft", True)}
