@@ -11,8 +11,9 @@ a proposer of shallow trees gets nothing for depths it never drafts, and one tha
 tree gets less at depth 1; c_p: the share of steps p had a tree for (the others are plain steps);
 wait_p: the verifier's mean wait for p's draft per step; the 1 is the bonus token. k = 0 (plain
 decoding, 1 / step_time(B, 1)) is always a candidate, so speculation switches itself off where
-verification is dear (large batches, CPUs) or acceptance poor. Every row of a step pays for the
-widest row (padding), hence step_time(B, 1 + k).
+verification is dear (large batches, CPUs) or acceptance poor. A request's k is priced as if
+every row of the step drafted as much, step_time(B, 1 + k): with packed steps each row pays for
+its own tree only, which the verifier's width gate prices step by step (``choose_widths``).
 
 Exploration: ``thompson`` draws the α's from their posteriors (a seeded ``random.Random``; one
 draw per proposer moves every depth together); ``ucb`` adds an optimism bonus that shrinks with
