@@ -107,9 +107,8 @@ class Engine:
         self._stop = threading.Event()
         self.trees_arrived = trees_arrived or threading.Condition()
         # Packed steps need the runner's own attention (models it cannot serve keep padded steps).
-        self.packed = config.speculation.packed_steps and runner.packs
         self.speculation = SpeculationControl(
-            replace(config.speculation, packed_steps=self.packed),
+            replace(config.speculation, packed_steps=config.speculation.packed_steps and runner.packs),
             self.stats,
             self.trees_arrived,
             step_cost,
@@ -118,6 +117,11 @@ class Engine:
             open_session,
         )
         self._thread = threading.Thread(target=self._loop, name="specmesh-engine", daemon=True)
+
+    @property
+    def packed(self) -> bool:
+        """Whether decode steps with ragged trees run packed (the flag, where the runner can)."""
+        return self.speculation.config.packed_steps
 
     # --- public, any thread ---------------------------------------------------------------
     def start(self) -> None:
