@@ -35,10 +35,11 @@ class Proc:
     metrics_port: int = 0
 
 
-def start_ngram(tmp_path) -> Proc:
+def start_ngram(tmp_path, address: str = "", metrics: int = 0) -> Proc:
+    """An n-gram replica on fresh ports, or on ``address`` / ``metrics`` (a replica coming back)."""
     from specmesh.deploy import free_port, wait_healthy
 
-    address, metrics = f"127.0.0.1:{free_port()}", free_port()
+    address, metrics = address or f"127.0.0.1:{free_port()}", metrics or free_port()
     log = (tmp_path / f"ngram-{address.rsplit(':', 1)[1]}.log").open("wb")
     cmd = [sys.executable, "-m", "specmesh", "serve", "ngram", "--address", address, "--metrics-port", str(metrics)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -78,7 +79,10 @@ def cluster(tmp_path_factory, lm) -> Iterator[dict]:
                 "--metrics-port", str(ports[-1]),
             )
         )  # fmt: skip
-    state = {"redis": redis_proc, "redis_port": redis_port, "ngrams": ngrams, "verifiers": verifiers, "metrics": ports}
+    state = {
+        "redis": redis_proc, "redis_port": redis_port, "ngrams": ngrams, "verifiers": verifiers, "metrics": ports,
+        "tmp": tmp,
+    }  # fmt: skip
     yield state
     for v in verifiers:
         stop_verifier(v)
@@ -145,6 +149,11 @@ def test_killing_an_ngram_replica_mid_run_loses_no_request(cluster, lm, chat_ids
     # New requests still find the surviving replica.
     again = _complete(work[0][0], work[0][1], 16)
     assert again.token_ids == hf_greedy(work[0][1], 48)[: len(again.token_ids)]
+    # The replica comes back where it was (as a restarted pod behind its Service), so the tests after
+    # this one find two replicas again whatever their order.
+    dead = cluster["ngrams"][0]
+    dead.proc.wait()
+    cluster["ngrams"][0] = start_ngram(cluster["tmp"], dead.address, dead.metrics_port)
 
 
 def test_redis_killed_mid_run_requests_complete_and_statistics_resume_when_it_returns(cluster, chat_ids):
