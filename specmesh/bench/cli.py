@@ -132,6 +132,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1", help="comma list of concurrent streams, e.g. 1,8,32")
     p.add_argument("--mix", action="store_true", help="at concurrency > 1, waves mix all categories")
     p.add_argument(
+        "--load",
+        choices=("waves", "continuous"),
+        default="waves",
+        help="at concurrency c > 1: waves of c requests sent together (the slowest sets each wave's time), or "
+        "continuous: c streams kept busy over a turn's prompts, a finished stream taking the next at once "
+        "(throughput under a sustained load, as a serving benchmark's --max-concurrency)",
+    )
+    p.add_argument(
         "--tag",
         action="store_true",
         help="tag each request with its category (SpecDecodeParams.workload_tag), as an application tags "
@@ -311,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         corpus=a.corpus,
         mix=a.mix,
         tag=a.tag,
+        load=a.load,
     )
     http = is_http(a.target)
     if (a.tls or a.auth) and (a.target or http):
@@ -376,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
             "limit": a.limit,
             "workload": str(a.workload),
             "turns": a.turns,
+            "load": a.load,
             "cache_scope_token": runner.run_token,
             "warmup_workload": str(a.warmup_workload) if runner.warmup else "",
             "warmup_limit": a.warmup_limit,

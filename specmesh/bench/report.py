@@ -370,8 +370,13 @@ def markdown(
         f"Machine: {meta.get('cpu')}{' + ' + meta['gpu'] if meta.get('gpu') else ''}; {served}; "
         f"git {meta.get('git_commit', '?')[:10]}; {meta.get('max_tokens')} new tokens, "
         f"{meta.get('limit')} prompts per category.",
-        "tokens/s: end to end per request (prefill included), median; at concurrency > 1 the aggregate of a wave. "
-        "Speed-up: paired with plain on the same prompt in the same run, median; overall = geometric mean "
+        "tokens/s: end to end per request (prefill included), median; at concurrency > 1 the aggregate of a wave"
+        + (
+            " (continuous load: every prompt of a turn through c streams kept busy). "
+            if meta.get("load") == "continuous"
+            else ". "
+        )
+        + "Speed-up: paired with plain on the same prompt in the same run, median; overall = geometric mean "
         "over categories.",
         *_setup_lines(meta),
         "",

@@ -7,7 +7,11 @@ wave) with the same prompts and seeds; every service record says its ``transport
 modes (``hf-greedy``, ``hf-pld``) run transformers' ``generate()`` in this process on the same
 model and prompts. At concurrency 1 the modes are interleaved request by request (``plain``
 first, since the oracle needs its output, the others rotated); at concurrency c the same holds
-wave by wave, each wave being c requests of one mode in flight together.
+wave by wave, each wave being c requests of one mode in flight together. With ``load="continuous"``
+a "wave" is instead every prompt of a turn (of a category, unless mixed), served by c streams in a
+closed loop: a stream that finishes takes the next prompt at once (a serving benchmark's
+``--max-concurrency``), so the aggregate is throughput under a sustained load rather than the
+makespan of c requests, which the slowest of them sets.
 
 Modes that learn from past outputs (``LEARNING_MODES``: the suffix proposer, and ``auto``, which
 may pick it) must not learn from the run itself: each measured run of such a mode (mode,
@@ -77,6 +81,7 @@ class RunConfig:
     corpus: str = ""  # SpecDecodeParams.corpus for the rag mode
     mix: bool = False  # concurrency > 1: waves mix every category (a realistic stream) instead of one each
     tag: bool = False  # each request carries its category as SpecDecodeParams.workload_tag
+    load: str = "waves"  # concurrency > 1: "waves" of c requests, or "continuous" (c streams kept busy)
 
 
 def mode_order(modes: tuple[str, ...], turn: int) -> list[str]:
@@ -503,10 +508,18 @@ class BenchRunner:
         [['a0', 'a1'], ['a2', 'a0'], ['a3', 'a3']]
         >>> [[p.row_id for p in w] for w in runner.waves(ps[::-1], 1)]
         [['a2'], ['a1'], ['a0'], ['a3']]
+
+        Under continuous load a wave is a whole turn's prompts, nothing repeated (``_wave`` keeps c
+        of them in flight):
+
+        >>> continuous = BenchRunner(RunConfig(modes=("plain",), load="continuous"), [], None, None)
+        >>> [[p.row_id for p in w] for w in continuous.waves(ps, 2)]
+        [['a0', 'a1', 'a2'], ['a3']]
         """
         prompts = sorted(prompts, key=lambda p: p.turn)  # stable: file order within a turn
         if c == 1:
             return [[p] for p in prompts]
+        continuous = self.config.load == "continuous"
         out = []
         for turn in dict.fromkeys(p.turn for p in prompts):
             phase = [p for p in prompts if p.turn == turn]
@@ -516,6 +529,9 @@ class BenchRunner:
                 else [[p for p in phase if p.category == cat] for cat in dict.fromkeys(p.category for p in phase)]
             )
             for ps in groups:
+                if continuous:
+                    out.append(ps)
+                    continue
                 out += [[ps[(k * c + j) % len(ps)] for j in range(c)] for k in range(-(-len(ps) // c))]
         return out
 
@@ -567,12 +583,13 @@ class BenchRunner:
     def _wave(
         self, target: Target, wave: list[BenchPrompt], mode: str, sampling: str, seeds: list[int], c: int, w: int
     ) -> list[dict]:
-        """The wave's requests of one mode on one target, all in flight together."""
+        """The wave's requests of one mode on one target, c in flight at a time (a wave of c: all
+        together; under continuous load, each finished request's stream takes the next prompt)."""
         cfg = self.config
         scope = self.scope(mode, sampling, c, target)
         scopes = [self._repeat_scope(scope, p) for p in wave]
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(wave)) as pool:
+        with ThreadPoolExecutor(min(c, len(wave))) as pool:
             outs = list(
                 pool.map(
                     lambda p, s, sc: target.request(p, mode, self._sampling(sampling, s), cfg.corpus, cfg.tag, sc),
