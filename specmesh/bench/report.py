@@ -103,10 +103,30 @@ def _unit(r: dict) -> tuple:
 
 
 def _throughput(rs: list[dict]) -> dict[tuple, float]:
-    """tokens/s per pairing unit: per request at concurrency 1, the wave's aggregate beyond."""
+    """tokens/s per pairing unit: per request at concurrency 1, the wave's aggregate beyond; under
+    continuous load one unit, all waves pooled (Σ tokens / Σ wave seconds), since its waves are a
+    turn's whole prompts, not alike (32 first turns, then 4 second turns, say) and a median of two
+    would weigh them alike.
+
+    >>> def r(wave, tokens, wave_tps):
+    ...     return {"concurrency": 8, "load": "continuous", "wave": wave, "prompt_index": 0,
+    ...             "completion_tokens": tokens, "wave_tokens_per_s": wave_tps}
+    >>> _throughput([r(0, 300, 40.0), r(0, 100, 40.0), r(1, 100, 100.0)])  # 500 tokens in 10 s + 1 s
+    {('all',): 45.45454545454545}
+    """
     out: dict[tuple, float] = {}
+    pooled: dict[int, list[dict]] = defaultdict(list)
     for r in rs:
-        out[_unit(r)] = r["tokens_per_s"] if r["concurrency"] == 1 else r["wave_tokens_per_s"]
+        if r["concurrency"] == 1:
+            out[_unit(r)] = r["tokens_per_s"]
+        elif r.get("load") == "continuous":
+            pooled[r["wave"]].append(r)
+        else:
+            out[_unit(r)] = r["wave_tokens_per_s"]
+    if pooled:
+        tokens = [sum(r["completion_tokens"] for r in w) for w in pooled.values()]
+        seconds = sum(n / w[0]["wave_tokens_per_s"] for n, w in zip(tokens, pooled.values(), strict=True))
+        out[("all",)] = sum(tokens) / seconds if seconds else 0.0
     return out
 
 
@@ -163,7 +183,10 @@ def gateway_vs_grpc(records: list[dict]) -> list[TransportRow]:
 
 def _pooled_throughput(rs: list[dict]) -> dict[tuple, float]:
     """``_throughput`` over every category: units keyed by their group too."""
-    return {(r.get("group", r["category"]), *k): v for r in rs for k, v in _throughput([r]).items()}
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in rs:
+        groups[r.get("group", r["category"])].append(r)
+    return {(g, *k): v for g, grs in groups.items() for k, v in _throughput(grs).items()}
 
 
 def _paired_ratio(a: dict[tuple, float], b: dict[tuple, float]) -> float | None:
@@ -259,7 +282,7 @@ def pipeline_overhead(records: list[dict]) -> dict[tuple[str, int], float]:
 
         def tput(mode: str, sampling: str = sampling, c: int = c) -> dict[tuple, float]:
             rs = [r for r in records if r["mode"] == mode and r["sampling"] == sampling and r["concurrency"] == c]
-            return {(r["category"], *_unit(r)): r["tokens_per_s"] if c == 1 else r["wave_tokens_per_s"] for r in rs}
+            return _pooled_throughput(rs)
 
         ratio = _paired_ratio(tput("ngram"), tput("ngram-local"))
         if ratio is not None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from specmesh.bench.cli import parse_args
 from specmesh.bench.runner import BenchRunner, RunConfig
 from specmesh.bench.workload import BenchPrompt
@@ -69,3 +71,26 @@ def test_waves_send_c_requests_together_and_the_next_wave_waits_for_the_slowest(
 def test_the_load_flag_defaults_to_waves_and_takes_continuous():
     assert parse_args([]).load == "waves"
     assert parse_args(["--load", "continuous", "--concurrency", "8"]).load == "continuous"
+
+
+def test_under_continuous_load_a_mode_s_speed_up_pools_its_waves_by_time_not_a_median_of_waves():
+    from specmesh.bench.report import OVERALL, summarize
+
+    def wave(mode: str, w: int, tokens: int, wave_tps: float, n: int) -> list[dict]:
+        return [
+            {"mode": mode, "category": "qa", "group": "mix", "prompt_index": j, "sampling": "greedy",
+             "concurrency": 8, "load": "continuous", "wave": w, "slot": j, "completion_tokens": tokens // n,
+             "tokens_per_s": 1.0, "wave_tokens_per_s": wave_tps, "ttft_ms": 1.0, "itl_ms": [1.0],
+             "mean_accepted_length": 1.0, "drafted": 0, "accepted": 0}
+            for j in range(n)
+        ]  # fmt: skip
+
+    # 32 first turns: 10 s in both modes; 4 second turns: 2 s plain, 1 s ngram.
+    records = [
+        *wave("plain", 0, 320, 32.0, 32), *wave("plain", 1, 40, 20.0, 4),
+        *wave("ngram", 0, 320, 32.0, 32), *wave("ngram", 1, 40, 40.0, 4),
+    ]  # fmt: skip
+    rows = {(r.category, r.mode): r for r in summarize(records)}
+    assert rows[("mix", "ngram")].speedup == pytest.approx(12 / 11), "not (1.0 + 2.0) / 2"
+    assert rows[("mix", "plain")].tokens_per_s == pytest.approx(360 / 12)
+    assert rows[(OVERALL, "ngram")].speedup == pytest.approx(12 / 11)
