@@ -124,9 +124,9 @@ def _throughput(rs: list[dict]) -> dict[tuple, float]:
         else:
             out[_unit(r)] = r["wave_tokens_per_s"]
     if pooled:
-        tokens = [sum(r["completion_tokens"] for r in w) for w in pooled.values()]
-        seconds = sum(n / w[0]["wave_tokens_per_s"] for n, w in zip(tokens, pooled.values(), strict=True))
-        out[("all",)] = sum(tokens) / seconds if seconds else 0.0
+        waves = [(sum(r["completion_tokens"] for r in w), w[0]["wave_tokens_per_s"]) for w in pooled.values()]
+        seconds = sum(n / tps for n, tps in waves)
+        out[("all",)] = sum(n for n, _ in waves) / seconds if seconds else 0.0
     return out
 
 

@@ -528,11 +528,12 @@ class BenchRunner:
                 if self.config.mix
                 else [[p for p in phase if p.category == cat] for cat in dict.fromkeys(p.category for p in phase)]
             )
-            for ps in groups:
-                if continuous:
-                    out.append(ps)
-                    continue
-                out += [[ps[(k * c + j) % len(ps)] for j in range(c)] for k in range(-(-len(ps) // c))]
+            for ps in groups:  # continuous: the group whole; waves: c at a time, the last one filled
+                out += (
+                    [ps]
+                    if continuous
+                    else [[ps[(k * c + j) % len(ps)] for j in range(c)] for k in range(-(-len(ps) // c))]
+                )
         return out
 
     def _modes(self, sampling: str, concurrency: int) -> list[str]:
