@@ -61,8 +61,7 @@ class LocalProposerSession:
 
     def advance(self, tokens: list[int], hidden: object = None) -> None:
         self._index.extend(tokens)
-        toks, parents = self._index.propose(self.limits.max_nodes, self.limits.max_depth)
-        self._tree = (self._index.context_length, TokenTree(toks, parents))
+        self._tree = (self._index.context_length, self._index.propose(self.limits.max_nodes, self.limits.max_depth))
         self.last_response = time.perf_counter()
 
     def fail(self, reason: str) -> None:

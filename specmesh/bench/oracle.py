@@ -15,6 +15,7 @@ import threading
 import grpc
 
 from proposer_svc.stream import ProposeStream, StreamConfig, inline
+from specmesh.server.tree import TokenTree
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
 
@@ -42,9 +43,9 @@ class OracleChain:
             self.continuation = []  # the output left the known path: nothing more to offer
         self.context_length += len(tokens)
 
-    def propose(self, max_nodes: int | None, max_depth: int | None) -> tuple[list[int], list[int]]:
+    def propose(self, max_nodes: int | None, max_depth: int | None) -> TokenTree:
         done = self.context_length - self.prompt_length
-        return oracle_chain(self.continuation, done, max_nodes or 0, max_depth or 0)
+        return TokenTree(*oracle_chain(self.continuation, done, max_nodes or 0, max_depth or 0))
 
 
 class OracleServicer(ProposeStream):
