@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specmesh.server.tree import TokenTree
-
 SEP = 0xFFFF_FFFF  # document separator in the corpus, sorts after every token
 
 
@@ -248,13 +246,12 @@ class RagRequest:
         self._length += len(tokens)
         self._tail = (self._tail + list(tokens))[-self.config.max_match :]
 
-    def propose(self, max_nodes: int | None = None, max_depth: int | None = None) -> TokenTree:
+    def propose(self, max_nodes: int | None = None, max_depth: int | None = None) -> tuple[list[int], list[int]]:
         cfg = self.config
-        tokens, parents = propose_tree(
+        return propose_tree(
             self.index,
             self._tail,
             cfg,
             max_nodes if max_nodes is not None else cfg.max_nodes,
             max_depth if max_depth is not None else cfg.max_depth,
         )
-        return TokenTree(tokens, parents)

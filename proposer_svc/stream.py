@@ -26,7 +26,6 @@ from typing import Protocol, runtime_checkable
 import grpc
 
 from specmesh.server.metrics import ProposerMetrics
-from specmesh.server.tree import TokenTree
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
 # Hands a tree to the stream from any thread; None ends the stream (the core gave up on it).
@@ -74,7 +73,7 @@ class TreeBuilder(Protocol):
 
     def extend(self, tokens: list[int]) -> None: ...
 
-    def propose(self, max_nodes: int | None, max_depth: int | None) -> TokenTree: ...
+    def propose(self, max_nodes: int | None, max_depth: int | None) -> tuple[list[int], list[int]]: ...
 
 
 class InlineCore:
@@ -92,11 +91,12 @@ class InlineCore:
         b = self.builder
         b.extend(tokens)
         t0 = time.perf_counter()
-        tree = b.propose(budget.max_nodes or None, budget.max_depth or None)  # 0: the builder's default
+        nodes, parents = b.propose(budget.max_nodes or None, budget.max_depth or None)  # 0: the builder's default
         if self.metrics is not None:
-            self.metrics.proposal(len(tree), time.perf_counter() - t0)
-        wire = proposer_pb2.TokenTree(tokens=tree.tokens, parents=tree.parents, path_probs=tree.probs or [])
-        return proposer_pb2.ProposeResponse(context_length=b.context_length, tree=wire)
+            self.metrics.proposal(len(nodes), time.perf_counter() - t0)
+        return proposer_pb2.ProposeResponse(
+            context_length=b.context_length, tree=proposer_pb2.TokenTree(tokens=nodes, parents=parents)
+        )
 
     def close(self) -> None:
         pass

@@ -57,8 +57,7 @@ class SelectionConfig:
 @dataclass(frozen=True)
 class Decision:
     proposer: str  # whose stream the request should have ("none": no stream)
-    k: int  # the best draft tokens per step as priced here; 0 = plain decoding pays best. Not a cap on
-    # trees (the verifier's width gate sizes those): the stream opens either way, for statistics.
+    k: int  # draft tokens to verify per step now; 0 = plain decoding (the stream may stay for statistics)
     goodput: float  # expected tokens/s per row of this choice
     baseline: float  # expected tokens/s per row of plain decoding
     expected_accepted: float = 0.0  # draft tokens accepted per step, expected (at k)
@@ -285,26 +284,6 @@ class Router:
             return choose([p for p in mine if p.proposer == current], *steps, means, None, current)
         with self._rng_lock:
             return choose(posts, *steps, self.config, self._rng, current)
-
-    def draft_cap(self, num_speculative_tokens: int = 0) -> int | None:
-        """Draft tokens per step a request's trees are cut to: the smaller of the client's and the
-        policy's ``num_speculative_tokens`` where either sets one, else None. The k a decision
-        prices is no cap: the verifier's width gate sizes each tree, step by step, from the
-        request's own acceptance and the proposer's node probabilities; a k drawn from pooled
-        statistics cut the trees of requests that copy long runs (a second chat turn) to what an
-        average request of the proposer is worth.
-
-        >>> from specmesh_router.policy import PolicyStore
-        >>> from specmesh_router.stats import InProcessStats
-        >>> router = Router(InProcessStats(), "m", ("ngram",), PolicyStore(("ngram",)), lambda rows, width: 1.0)
-        >>> router.draft_cap(), router.draft_cap(4)
-        (None, 4)
-        >>> _ = router.policy.set(SpeculationPolicy(num_speculative_tokens=3))
-        >>> router.draft_cap(), router.draft_cap(4)
-        (3, 3)
-        """
-        caps = [c for c in (num_speculative_tokens, self.policy.get().num_speculative_tokens) if c > 0]
-        return min(caps) if caps else None
 
     def estimate(self, proposer: str, workload_tag: str = "") -> RequestEstimate:
         """A new request's acceptance estimate under ``proposer``: the shared posterior's means

@@ -140,7 +140,7 @@ class Engine:
         is only a label (two clients may send the same one).
 
         ``session``: the request's open proposer stream, or None for plain decoding. ``k_cap``: the
-        client's or the policy's draft tokens per step, a cap on every tree (None: none). ``estimate``: the request's
+        router's draft tokens per step, a cap on every tree (None: none). ``estimate``: the request's
         acceptance per depth, seeded from the proposer's shared statistics
         (``Router.estimate``): where the router says speculation does not pay, it starts low and the
         cost gate decodes plainly until the trees the request skips prove it wrong.

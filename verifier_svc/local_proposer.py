@@ -61,7 +61,8 @@ class LocalProposerSession:
 
     def advance(self, tokens: list[int], hidden: object = None) -> None:
         self._index.extend(tokens)
-        self._tree = (self._index.context_length, self._index.propose(self.limits.max_nodes, self.limits.max_depth))
+        toks, parents = self._index.propose(self.limits.max_nodes, self.limits.max_depth)
+        self._tree = (self._index.context_length, TokenTree(toks, parents))
         self.last_response = time.perf_counter()
 
     def fail(self, reason: str) -> None:

@@ -49,6 +49,7 @@ from verifier_svc.requests import (
     max_prompt_bytes,
 )
 from verifier_svc.sessions import ProposerTiers, SessionOpener
+from verifier_svc.speculation import cap_of
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +75,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         router: Router,
         sessions: SessionOpener,
         metrics: VerifierMetrics | None = None,
+        router_caps: bool = True,
     ) -> None:
         self.engine, self.tokenizer, self.limits, self.router = engine, tokenizer, limits, router
         self.sessions, self.metrics = sessions, metrics
         # One thread: requests tokenize in arrival order, and the fast tokenizer's settings are never
         # touched from two threads at once (its Rust object refuses concurrent mutable borrows).
         self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specmesh-tokenize")
+        self.router_caps = router_caps  # False (--spec-gating always): the router picks proposers, not k
         # A token's text on its own, for logprobs; cached (bounded by the vocabulary) since it repeats.
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
@@ -145,7 +148,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 req,
                 lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                 session,
-                k_cap=self.router.draft_cap(spec.num_speculative_tokens),
+                k_cap=cap_of(d.k) if self.router_caps else None,
                 estimate=estimate,
             )
         except (EngineFull, NeverFits, EngineStopped) as exc:
@@ -427,7 +430,9 @@ async def run(config: VerifierConfig) -> None:
     metrics.track_queue(engine.counts)
     metrics.track_kv_cache(lambda: runner.cache.allocated_bytes, kv_tokens * runner.cache.bytes_per_token)
     REGISTRY.register(RouterStatsCollector(stats, model=lm.name, tags=config.metrics_tags))
-    generation = GenerationServicer(engine, lm.tokenizer, limits, router, sessions, metrics)
+    generation = GenerationServicer(
+        engine, lm.tokenizer, limits, router, sessions, metrics, router_caps=step_cost is not None
+    )
     engine.start()
     auth = verifier_auth(config)
     server = new_server(auth)

@@ -9,7 +9,7 @@ each step accepted (:meth:`SpeculationControl.after_step`). In between, per requ
   against the tokens emitted after it;
 - the cost gate: trees are cut to the batch's best width by the measured step cost (maybe to
   nothing: plain decoding this step), from that estimate;
-- every ``redecide_steps`` steps the router revisits the proposer from the same estimate (a
+- every ``redecide_steps`` steps the router revisits the proposer and k from the same estimate (a
   new proposer's stream opens with a fresh estimate from the shared statistics).
 """
 
@@ -91,7 +91,7 @@ class SpecState:
     last_tree: float = 0.0  # perf_counter of the last tree taken (liveness)
     estimate: RequestEstimate = field(default_factory=lambda: RequestEstimate((0.5,)))
     shadow: Shadow | None = None
-    k_cap: int | None = None  # the client's or the policy's draft tokens per step; None: no cap
+    k_cap: int | None = None  # the router's draft tokens per step; None: no cap
     failed_proposers: set[str] = field(default_factory=set)
     # This step's tree as the proposer sent it, where the proposer ended it within the verifier's
     # budget (empty: it had none); None: no tree, or one the budget may have cut.
@@ -191,7 +191,7 @@ def expected_by_width(alphas: Sequence[float], parents: list[int], probs: list[f
 class SpeculationConfig:
     proposer_wait_ms: float = 5.0  # per step, the longest wait for a request's tree
     proposer_timeout_s: float = 2.0  # no answer for this long → speculation off for the request
-    redecide_steps: int = 16  # the router revisits a request's proposer this often (steps)
+    redecide_steps: int = 16  # the router revisits a request's proposer and k this often (steps)
     recent_tokens: int = 32  # how far a late tree may be re-rooted (greedy requests)
     packed_steps: bool = True  # steps hold real tokens only (each row pays for its own tree): the gate sizes rows apart
 
@@ -247,7 +247,7 @@ class SpeculationControl:
                 spec.offered = tree if complete else None
                 if tree is not None:
                     spec.last_tree = now
-                    # An explicit num_speculative_tokens caps the tree; the rest is the cost gate's call,
+                    # The router's k caps the tree; whether to speculate at all is the cost gate's call,
                     # from the request's own acceptance (which skipped trees keep scoring).
                     if spec.k_cap is not None and spec.k_cap < len(tree):
                         tree = truncate(tree, spec.k_cap)
@@ -325,7 +325,7 @@ class SpeculationControl:
         return emitted_all
 
     def redecide_due(self, seqs: list[Sequence]) -> None:
-        """Every ``redecide_steps`` steps of a request, the router revisits its proposer."""
+        """Every ``redecide_steps`` steps of a request, the router revisits its proposer and k."""
         if self.router is None:
             return
         for seq in seqs:
@@ -347,7 +347,7 @@ class SpeculationControl:
         )
         if self.metrics is not None:
             self.metrics.decision(d.proposer, d.speculate)
-        state.k_cap = self.router.draft_cap(spec.num_speculative_tokens)  # a policy change applies from here
+        state.k_cap = cap_of(d.k) if self.step_cost is not None else None  # --spec-gating always: no cap
         if d.proposer in ("none", current) or d.proposer in state.failed_proposers or self.open_session is None:
             return
         new = self.open_session(seq.req, d.proposer, [*seq.req.prompt_ids, *seq.output])
@@ -386,3 +386,12 @@ class SpeculationControl:
             session.close()
         else:
             session.fail(failure)
+
+
+def cap_of(k: int) -> int | None:
+    """The router's k as a tree cap: ≤ 0 is no cap (its "off" acts through the prior α instead).
+
+    >>> cap_of(8), cap_of(0)
+    (8, None)
+    """
+    return k if k > 0 else None

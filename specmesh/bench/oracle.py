@@ -15,7 +15,6 @@ import threading
 import grpc
 
 from proposer_svc.stream import ProposeStream, StreamConfig, inline
-from specmesh.server.tree import TokenTree
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 
 
@@ -43,9 +42,9 @@ class OracleChain:
             self.continuation = []  # the output left the known path: nothing more to offer
         self.context_length += len(tokens)
 
-    def propose(self, max_nodes: int | None, max_depth: int | None) -> TokenTree:
+    def propose(self, max_nodes: int | None, max_depth: int | None) -> tuple[list[int], list[int]]:
         done = self.context_length - self.prompt_length
-        return TokenTree(*oracle_chain(self.continuation, done, max_nodes or 0, max_depth or 0))
+        return oracle_chain(self.continuation, done, max_nodes or 0, max_depth or 0)
 
 
 class OracleServicer(ProposeStream):

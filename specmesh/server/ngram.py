@@ -1,17 +1,13 @@
 """Prompt-lookup (n-gram) proposal: continuations of the longest recent suffix match, as a tree.
 
 The index maps every n-gram (min_n ≤ n ≤ max_n) of the context to the positions right after
-its occurrences, and is extended token by token as the context grows (never rebuilt). Each node
-carries its path probability (the share of the occurrences' weight that passes through it), which
-the verifier's width gate cuts the tree by.
+its occurrences, and is extended token by token as the context grows (never rebuilt).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-
-from specmesh.server.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -46,8 +42,8 @@ class NgramIndex:
                 # The n-gram ending here continues at `end` (known once more tokens arrive).
                 self.table.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
-    def propose(self, max_nodes: int | None = None, max_depth: int | None = None) -> TokenTree:
-        """The proposal tree for the current context (with path probabilities); empty when nothing matches."""
+    def propose(self, max_nodes: int | None = None, max_depth: int | None = None) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of the proposal tree for the current context; empty when nothing matches."""
         cfg = self.config
         return propose_tree(
             self.tokens,
@@ -68,24 +64,22 @@ def propose_tree(
     max_occurrences: int,
     max_nodes: int,
     max_depth: int,
-) -> TokenTree:
+) -> tuple[list[int], list[int]]:
     """Tree of the continuations after the longest suffix n-gram that occurred before.
 
     Each earlier occurrence contributes its continuation (up to ``max_depth`` tokens) to a trie;
     an occurrence weighs 1 + its relative recency (0..1), a trie node the sum over the
     occurrences through it. Nodes are taken best-first (a child only after its parent) until
-    ``max_nodes``; siblings come out heaviest first. A node's path probability is its weight over
-    all the occurrences' (never above its parent's). Returns the nodes topologically ordered.
+    ``max_nodes``; siblings come out heaviest first. Returns topologically ordered (tokens, parents).
 
     Worked example: context ``a b c d a b c e a b`` (a=1 … e=5), suffix ``a b`` occurred at
     positions 0 and 4, continuing ``c d a`` (weight 1.2) and ``c e a`` (weight 1.6). Both share
-    ``c`` (2.8 of 2.8); best-first then takes ``e`` and the ``a`` after it (1.6 / 2.8), last ``d``:
+    ``c`` (2.8); best-first then takes ``e``, the ``a`` after it, and last ``d``:
 
     >>> ctx = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
     >>> idx = NgramIndex(NgramConfig(min_n=2, max_n=3)); idx.extend(ctx)
-    >>> t = idx.propose(max_nodes=4, max_depth=3)
-    >>> t.tokens, t.parents, [round(p, 2) for p in t.probs]
-    ([3, 5, 1, 4], [-1, 0, 1, 0], [1.0, 0.57, 0.57, 0.43])
+    >>> idx.propose(max_nodes=4, max_depth=3)
+    ([3, 5, 1, 4], [-1, 0, 1, 0])
     """
     end = len(tokens)
     for n in range(min(max_n, end - 1), min_n - 1, -1):
@@ -93,15 +87,13 @@ def propose_tree(
         if starts:
             break
     else:
-        return TokenTree([], [], probs=[])
+        return [], []
     starts = starts[-max_occurrences:]
     # Trie over continuations: node = (token, parent trie id); weights accumulate.
     trie_children: list[dict[int, int]] = [{}]  # trie id 0 is the root
     trie_token, trie_parent, weight = [-1], [-1], [0.0]
-    total = 0.0  # Σ occurrence weights: a root child's weight / total is its probability
     for s in starts:
         w = 1.0 + s / end
-        total += w
         node = 0
         for tok in tokens[s : s + max_depth]:
             child = trie_children[node].get(tok)
@@ -117,7 +109,6 @@ def propose_tree(
     # Best-first selection within the node budget; parents always precede their children.
     out_tokens: list[int] = []
     out_parents: list[int] = []
-    out_probs: list[float] = []
     out_index = {0: -1}
     frontier = [(-weight[c], c) for c in trie_children[0].values()]
     heapq.heapify(frontier)
@@ -126,7 +117,6 @@ def propose_tree(
         out_index[node] = len(out_tokens)
         out_tokens.append(trie_token[node])
         out_parents.append(out_index[trie_parent[node]])
-        out_probs.append(weight[node] / total)
         for c in trie_children[node].values():
             heapq.heappush(frontier, (-weight[c], c))
-    return TokenTree(out_tokens, out_parents, probs=out_probs)
+    return out_tokens, out_parents

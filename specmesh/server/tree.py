@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 
 @dataclass(frozen=True)
@@ -176,8 +174,6 @@ def verification_layout(parents: list[int], prefix_len: int) -> tuple[torch.Tens
     >>> mask.int().tolist()
     [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 1]]
     """
-    import torch  # here, not at the top: proposers build trees without loading torch
-
     n = len(parents)
     anc = torch.zeros(n + 1, n + 1, dtype=torch.bool)  # over [pending, nodes]
     anc[:, 0] = True

@@ -24,7 +24,6 @@ from proposer_svc.stream import (
     inline,
 )
 from specmesh.server.metrics import ProposerMetrics
-from specmesh.server.tree import TokenTree
 from specmesh.v1 import proposer_pb2
 
 
@@ -42,9 +41,9 @@ class LastToken:
     def extend(self, tokens: list[int]) -> None:
         self.tokens += tokens
 
-    def propose(self, max_nodes: int | None, max_depth: int | None) -> TokenTree:
+    def propose(self, max_nodes: int | None, max_depth: int | None) -> tuple[list[int], list[int]]:
         self.budgets.append((max_nodes, max_depth))
-        return TokenTree([self.tokens[-1]], [-1], probs=[0.5])
+        return [self.tokens[-1]], [-1]
 
 
 def start(prompt: list[int], nodes: int = 0, depth: int = 0, vocab_size: int = 0) -> proposer_pb2.ProposeRequest:
@@ -95,7 +94,6 @@ def test_each_start_and_advance_is_answered_with_a_tree_for_the_new_context():
     servicer, _ = last_token_stream(StreamConfig(proposer="test"))
     replies = exchange(servicer, [start([1, 2, 3]), advance([4, 5]), advance([6]), END, advance([7])])
     assert [(r.context_length, list(r.tree.tokens)) for r in replies] == [(3, [3]), (5, [5]), (6, [6])]
-    assert [list(r.tree.path_probs) for r in replies] == [[0.5]] * 3  # the builder's node probabilities travel
 
 
 def test_budgets_are_capped_by_the_proposer_and_kept_until_an_advance_replaces_them():

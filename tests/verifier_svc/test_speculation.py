@@ -128,8 +128,7 @@ def test_ngram_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_ev
         context = [*ids, int(lm.model(torch.tensor([ids])).logits[0, -1].argmax())]
     index = NgramIndex(NgramConfig())
     index.extend(context)
-    proposed = index.propose(max_depth=3)
-    tokens, parents = proposed.tokens, proposed.parents
+    tokens, parents = index.propose(max_depth=3)
     assert parents == [-1, 0, 1], "premise: the proposal here is a chain"
     tree = TokenTree(tokens, parents)
     with torch.inference_mode():  # a chain's rows are a causal forward: after the root, node 0, 1, 2
