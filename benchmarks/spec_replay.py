@@ -1,0 +1,280 @@
+"""Offline replay of speculation at one stream against recorded greedy outputs: the real n-gram and
+suffix proposers and the verifier's width gate, without the model.
+
+Under greedy decoding a drafted node is accepted exactly when it matches the target's own greedy
+output, so a record of plain decoding (each prompt's output token ids) is all it takes to replay
+what a proposer and the gate would do, step by step: the accepted tokens are exact, and a step
+costs what the verifier's start-up table says a step of its width costs (relative to a plain
+step). A comparison that takes a 30-minute `specmesh bench`, within its timing noise, takes
+seconds here, without noise, e.g. to tell a proposer change or a gate change that pays from one
+that does not before the bench measures it.
+
+Left out: the proposer's latency, the engine's per-step work outside the forward, and the router
+(each mode is one proposer, its trees not capped by a router's k). The gate runs as the
+verifier's does (``expected_by_width``, ``choose_widths``, the request's ``RequestEstimate`` with
+its shadow-scored skipped trees), its prior the proposer's statistics pooled over the requests
+replayed before (not decayed).
+
+Inputs: plain-decoding records of the measured prompts (``records.jsonl`` of any `specmesh bench`
+run with ``plain`` in --modes, e.g. docs/bench/issue16-fast) and of the warm-up prompts::
+
+    specmesh bench --workload workloads/specbench_dev_warmup.jsonl --modes plain --turns 1 \\
+        --concurrency 8 --mix --load continuous --limit 30 --out docs/bench/warmup-plain
+
+The suffix cache learns the warm-up outputs first (as --warmup-workload does), then every measured
+output as it finishes. ``--held-out``: the warm-up half alone, its even rows cached and its odd
+rows measured (no prompt of the measured half involved).
+
+.venv/bin/python benchmarks/spec_replay.py [--records R] [--warmup-records W] [--held-out]
+
+(by default the records of docs/bench/issue16-fast and docs/bench/warmup-plain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from proposer_svc.suffix import SuffixCache, SuffixConfig, SuffixRequest
+from specmesh.bench.workload import BenchPrompt, load_prompts, second_turns
+from specmesh.server.ngram import NgramConfig, NgramIndex
+from specmesh.server.tree import TokenTree, depths, follow, truncate
+from specmesh_router.cost_model import StepCost, choose_widths
+from specmesh_router.estimate import RequestEstimate, posterior
+from specmesh_router.stats import AcceptanceStats
+from verifier_svc.proposer_client import ProposerLimits
+from verifier_svc.speculation import Shadow, SpecState, ended_by_proposer, expected_by_width
+
+NODES, DEPTH = 32, 24  # the verifier's default tree budget
+WIDTHS = "1,2,4,8,16,32,64"
+COST = "1.0,1.0,1.0,1.1,1.4,1.7,3.0"  # one row, relative to width 1: a 2-core Xeon's start-up table
+
+
+class Replayed(Protocol):
+    """One request's proposer as the replay drives it."""
+
+    def propose(self) -> TokenTree: ...
+
+    def extend(self, tokens: list[int]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NgramReplay:
+    def __init__(self, context: list[int]) -> None:
+        self.index = NgramIndex(NgramConfig(max_nodes=NODES, max_depth=DEPTH))
+        self.index.extend(context)
+
+    def propose(self) -> TokenTree:
+        return TokenTree(*self.index.propose())
+
+    def extend(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+
+    def close(self) -> None:
+        pass
+
+
+class SuffixReplay:
+    def __init__(self, context: list[int], cache: SuffixCache, scope: str) -> None:
+        self.request = SuffixRequest(cache, scope)
+        self.request.extend(context)
+
+    def propose(self) -> TokenTree:
+        p = self.request.propose(NODES, DEPTH)
+        return TokenTree(p.tokens, p.parents, probs=p.probs)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.request.extend(tokens)
+
+    def close(self) -> None:
+        self.request.close()
+
+
+@dataclass
+class Pooled:
+    """A proposer's statistics over the requests replayed so far: each next request's prior."""
+
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+
+
+@dataclass
+class Replay:
+    """One request's replayed decode: steps, the relative time they cost, draft tokens."""
+
+    steps: int = 0
+    seconds: float = 0.0  # in units of one plain step
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens / self.seconds  # plain decoding: one token per plain step
+
+
+def replay(prop: Replayed, output: list[int], pooled: Pooled, name: str, cost: StepCost) -> Replay:
+    """Decode ``output`` again with ``prop``'s trees cut by the width gate (as the verifier's
+    ``SpeculationControl`` does at one stream); ``pooled`` gains every step's sample."""
+    limits = ProposerLimits(vocab_size=1 << 20, max_nodes=NODES, max_depth=DEPTH)
+    prior = posterior(name, pooled.stats, None, 0.5, 2.0, DEPTH, count_ends=False)
+    state = SpecState(estimate=RequestEstimate.from_posterior(prior))
+    out, pos = Replay(tokens=len(output)), 0
+    while pos < len(output):
+        offered = prop.propose()
+        complete = ended_by_proposer(offered, limits)
+        tree = offered
+        if len(offered):
+            alphas = state.estimate.alphas(max(depths(offered.parents), default=1))
+            e = expected_by_width(alphas, offered.parents, offered.probs)
+            tree = truncate(offered, choose_widths([e], cost, packed=True)[0] - 1)
+            if not len(tree) and state.shadow is None:
+                state.shadow = Shadow(offered, complete)
+        levels, rejected = 0, False
+        if len(tree):
+            node, levels, outcome = follow(tree, 0, output[pos:])
+            rejected = bool(outcome)
+            ended = not rejected and complete and len(tree) == len(offered) and node - 1 not in tree.parents
+            state.observe(levels, rejected, ended)
+            state.shadow = None
+            pooled.stats += AcceptanceStats.of_step(len(tree), levels, rejected, ended=ended)
+        elif not len(offered):
+            state.estimate.observe_no_tree()
+            pooled.stats += AcceptanceStats.no_tree()
+        emitted = output[pos : pos + levels + 1]
+        if state.shadow is not None and not len(tree):
+            shadow = state.follow_shadow(emitted)
+            if shadow is not None:
+                pooled.stats += shadow
+        prop.extend(emitted)
+        pos += len(emitted)
+        out.steps += 1
+        out.seconds += cost(1, 1 + len(tree))
+        out.drafted += len(tree)
+        out.accepted += levels
+    prop.close()
+    return out
+
+
+def run_mode(
+    name: str,
+    make: Callable[[list[int], str], Replayed],
+    measured: list[tuple[BenchPrompt, list[int]]],
+    cost: StepCost,
+) -> dict[str, tuple[str, Replay]]:
+    """Every measured prompt in order, the proposer's pooled statistics carried from one to the next."""
+    pooled, out = Pooled(), {}
+    for prompt, output in measured:
+        r = replay(make(list(prompt.token_ids), "measured"), output, pooled, name, cost)
+        group = prompt.category if prompt.turn == 1 else f"{prompt.category} turn {prompt.turn}"
+        out[prompt.row_id] = (group, r)
+    return out
+
+
+def geo_mean_of_medians(per_group: dict[str, list[float]]) -> float:
+    """The bench's overall figure: the median per group, then their geometric mean.
+
+    >>> round(geo_mean_of_medians({"a": [1.0, 2.0, 3.0], "b": [8.0]}), 3)
+    4.0
+    """
+    return math.exp(statistics.mean(math.log(statistics.median(v)) for v in per_group.values()))
+
+
+def outputs_of(path: Path) -> dict[str, tuple[list[int], str]]:
+    """row id → (token ids, text) of plain decoding in a bench's records (1 stream preferred)."""
+    found: dict[str, tuple[int, list[int], str]] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r["mode"] != "plain":
+            continue
+        old = found.get(r["row_id"])
+        if old is None or (r["concurrency"] == 1 and old[0] != 1):
+            found[r["row_id"]] = (r["concurrency"], r["token_ids"], r["text"])
+    return {k: (ids, text) for k, (_, ids, text) in found.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--records",
+        type=Path,
+        default=Path("docs/bench/issue16-fast/records.jsonl"),
+        help="plain-decoding records of the measured prompts",
+    )
+    p.add_argument(
+        "--warmup-records",
+        type=Path,
+        default=Path("docs/bench/warmup-plain/records.jsonl"),
+        help="plain-decoding records of the warm-up prompts",
+    )
+    p.add_argument("--workload", type=Path, default=Path("workloads/specbench_dev_measured.jsonl"))
+    p.add_argument("--warmup-workload", type=Path, default=Path("workloads/specbench_dev_warmup.jsonl"))
+    p.add_argument("--limit", type=int, default=2, help="measured prompts per category (as the bench's)")
+    p.add_argument("--held-out", action="store_true", help="cache the warm-up half's even rows, measure its odd rows")
+    p.add_argument("--widths", default=WIDTHS, help="step widths of the cost table")
+    p.add_argument("--cost", default=COST, help="their cost relative to width 1 (the verifier logs its table)")
+    a = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from specmesh.server.model_loading import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path())
+
+    def encode_chat(msgs: list[dict[str, str]]) -> list[int]:
+        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    def encode(text: str) -> list[int]:
+        return encode_chat([{"role": "user", "content": text}])
+
+    cost = StepCost.by_tokens(tuple(map(int, a.widths.split(","))), tuple(map(float, a.cost.split(","))))
+    warm_out = outputs_of(a.warmup_records)
+    warm = [w for w in load_prompts(a.warmup_workload, None, None, encode) if w.row_id in warm_out]
+    if a.held_out:
+        cached = [(w, warm_out[w.row_id][0]) for w in warm[::2]]
+        measured = [(w, warm_out[w.row_id][0]) for w in warm[1::2]]
+    else:
+        out = outputs_of(a.records)
+        first = load_prompts(a.workload, None, a.limit, encode)
+        answers = {q.row_id: out[q.row_id][1] for q in first if q.row_id in out}
+        prompts = first + second_turns(first, answers, encode_chat)
+        measured = [(q, out[q.row_id][0]) for q in prompts if q.row_id in out]
+        cached = [(w, warm_out[w.row_id][0]) for w in warm]
+
+    def suffix(context: list[int], scope: str, cache: SuffixCache) -> SuffixReplay:
+        return SuffixReplay(context, cache, scope)
+
+    cache = SuffixCache(SuffixConfig(), background=False)
+    for w, ids in cached:  # what the warm-up's requests leave in the cache: their outputs
+        cache.learn("measured", list(w.token_ids), ids)
+    runs = {
+        "ngram": run_mode("ngram", lambda ctx, scope: NgramReplay(ctx), measured, cost),
+        "suffix": run_mode("suffix", lambda ctx, scope: suffix(ctx, scope, cache), measured, cost),
+    }
+    print(f"# spec_replay: {len(measured)} prompts, {len(cached)} cached outputs; cost {a.widths} = {a.cost}")
+    print("| mode | speed-up (modelled) | tokens/step | drafted | accepted |")
+    print("|---|---|---|---|---|")
+    for name, res in runs.items():
+        groups: dict[str, list[float]] = defaultdict(list)
+        for group, r in res.values():
+            groups[group].append(r.speedup)
+        steps = sum(r.steps for _, r in res.values())
+        tokens = sum(r.tokens for _, r in res.values())
+        drafted = sum(r.drafted for _, r in res.values())
+        accepted = sum(r.accepted for _, r in res.values())
+        print(f"| {name} | {geo_mean_of_medians(groups):.3f}x | {tokens / steps:.2f} | {drafted} | {accepted} |")
+    paired: dict[str, list[float]] = defaultdict(list)
+    for row, (group, r) in runs["suffix"].items():
+        paired[group].append(r.speedup / runs["ngram"][row][1].speedup)
+    per = ", ".join(f"{g} {statistics.median(v):.2f}x" for g, v in sorted(paired.items()))
+    print(f"\nsuffix vs ngram (paired): {geo_mean_of_medians(paired):.3f}x overall; {per}")
+
+
+if __name__ == "__main__":
+    main()
