@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
@@ -43,7 +42,8 @@ from pathlib import Path
 from typing import Protocol
 
 from proposer_svc.suffix import SuffixCache, SuffixConfig, SuffixRequest
-from specmesh.bench.workload import BenchPrompt, load_prompts, second_turns
+from specmesh.bench.report import geomean
+from specmesh.bench.workload import BenchPrompt, ChatEncoder, load_prompts, second_turns
 from specmesh.server.ngram import NgramConfig, NgramIndex
 from specmesh.server.tree import TokenTree, depths, follow, truncate
 from specmesh_router.cost_model import StepCost, choose_widths
@@ -184,7 +184,7 @@ def geo_mean_of_medians(per_group: dict[str, list[float]]) -> float:
     >>> round(geo_mean_of_medians({"a": [1.0, 2.0, 3.0], "b": [8.0]}), 3)
     4.0
     """
-    return math.exp(statistics.mean(math.log(statistics.median(v)) for v in per_group.values()))
+    return geomean([statistics.median(v) for v in per_group.values()])
 
 
 def outputs_of(path: Path) -> dict[str, tuple[list[int], str]]:
@@ -225,37 +225,28 @@ def main(argv: list[str] | None = None) -> None:
 
     from specmesh.server.model_loading import resolve_model_path
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path())
-
-    def encode_chat(msgs: list[dict[str, str]]) -> list[int]:
-        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-    def encode(text: str) -> list[int]:
-        return encode_chat([{"role": "user", "content": text}])
+    encoder = ChatEncoder(AutoTokenizer.from_pretrained(resolve_model_path()))
 
     cost = StepCost.by_tokens(tuple(map(int, a.widths.split(","))), tuple(map(float, a.cost.split(","))))
     warm_out = outputs_of(a.warmup_records)
-    warm = [w for w in load_prompts(a.warmup_workload, None, None, encode) if w.row_id in warm_out]
+    warm = [w for w in load_prompts(a.warmup_workload, None, None, encoder.user) if w.row_id in warm_out]
     if a.held_out:
         cached = [(w, warm_out[w.row_id][0]) for w in warm[::2]]
         measured = [(w, warm_out[w.row_id][0]) for w in warm[1::2]]
     else:
         out = outputs_of(a.records)
-        first = load_prompts(a.workload, None, a.limit, encode)
+        first = load_prompts(a.workload, None, a.limit, encoder.user)
         answers = {q.row_id: out[q.row_id][1] for q in first if q.row_id in out}
-        prompts = first + second_turns(first, answers, encode_chat)
+        prompts = first + second_turns(first, answers, encoder.chat)
         measured = [(q, out[q.row_id][0]) for q in prompts if q.row_id in out]
         cached = [(w, warm_out[w.row_id][0]) for w in warm]
-
-    def suffix(context: list[int], scope: str, cache: SuffixCache) -> SuffixReplay:
-        return SuffixReplay(context, cache, scope)
 
     cache = SuffixCache(SuffixConfig(), background=False)
     for w, ids in cached:  # what the warm-up's requests leave in the cache: their outputs
         cache.learn("measured", list(w.token_ids), ids)
     runs = {
         "ngram": run_mode("ngram", lambda ctx, scope: NgramReplay(ctx), measured, cost),
-        "suffix": run_mode("suffix", lambda ctx, scope: suffix(ctx, scope, cache), measured, cost),
+        "suffix": run_mode("suffix", lambda ctx, scope: SuffixReplay(ctx, cache, scope), measured, cost),
     }
     print(f"# spec_replay: {len(measured)} prompts, {len(cached)} cached outputs; cost {a.widths} = {a.cost}")
     print("| mode | speed-up (modelled) | tokens/step | drafted | accepted |")

@@ -52,7 +52,14 @@ from specmesh.bench.runner import (
     Target,
     spec_for,
 )
-from specmesh.bench.workload import DEFAULT_WORKLOAD, BenchPrompt, load_prompts, second_turns, warmup_conflicts
+from specmesh.bench.workload import (
+    DEFAULT_WORKLOAD,
+    BenchPrompt,
+    ChatEncoder,
+    load_prompts,
+    second_turns,
+    warmup_conflicts,
+)
 from specmesh.client import Client
 from specmesh.params import SamplingParams
 
@@ -293,11 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     model_path = resolve_model_path(a.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    def encode_chat(msgs: list[dict[str, str]]) -> list[int]:
-        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-    def encode(text: str) -> list[int]:
-        return encode_chat([{"role": "user", "content": text}])
+    encoder = ChatEncoder(tokenizer)
+    encode, encode_chat = encoder.user, encoder.chat
 
     categories = _csv(a.categories) or None
     try:

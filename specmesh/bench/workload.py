@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "workloads" / "specbench_offline_dev.jsonl"
 WORKLOADS = DEFAULT_WORKLOAD.parent
@@ -72,6 +73,22 @@ def select_rows(rows: list[dict], categories: list[str] | None, limit: int | Non
             seen[cat] = seen.get(cat, 0) + 1
             out.append(row)
     return out
+
+
+@dataclass(frozen=True)
+class ChatEncoder:
+    """Prompts → token ids through the tokenizer's chat template, as the verifier applies it to a chat
+    (a generation prompt after the last message)."""
+
+    tokenizer: Any
+
+    def chat(self, msgs: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+
+    def user(self, text: str) -> list[int]:
+        """One user message."""
+        return self.chat([{"role": "user", "content": text}])
 
 
 def load_prompts(path: Path, categories: list[str] | None, limit: int | None, encode: Encode) -> list[BenchPrompt]:
