@@ -11,8 +11,8 @@ that does not before the bench measures it.
 
 Left out: the proposer's latency, the engine's per-step work outside the forward, and the router
 (each mode is one proposer, its trees not capped by a router's k). The gate runs as the
-verifier's does (``expected_by_width``, ``choose_widths``, the request's ``RequestEstimate`` with
-its shadow-scored skipped trees), its prior the proposer's statistics pooled over the requests
+verifier's does (``SpecState.expected``, ``choose_widths``, the request's ``RequestEstimate`` and
+``Trust`` with its shadow-scored skipped trees), its prior the proposer's statistics pooled over the requests
 replayed before (not decayed).
 
 Inputs: plain-decoding records of the measured prompts (``records.jsonl`` of any `specmesh bench`
@@ -45,12 +45,12 @@ from proposer_svc.suffix import SuffixCache, SuffixConfig, SuffixRequest
 from specmesh.bench.report import geomean
 from specmesh.bench.workload import BenchPrompt, ChatEncoder, load_prompts, second_turns
 from specmesh.server.ngram import NgramConfig, NgramIndex
-from specmesh.server.tree import TokenTree, depths, follow, truncate
+from specmesh.server.tree import TokenTree, follow, truncate
 from specmesh_router.cost_model import StepCost, choose_widths
 from specmesh_router.estimate import RequestEstimate, posterior
 from specmesh_router.stats import AcceptanceStats
 from verifier_svc.proposer_client import ProposerLimits
-from verifier_svc.speculation import Shadow, SpecState, ended_by_proposer, expected_by_width
+from verifier_svc.speculation import Shadow, SpecState, ended_by_proposer
 
 NODES, DEPTH = 32, 24  # the verifier's default tree budget
 WIDTHS = "1,2,4,8,16,32,64"
@@ -132,9 +132,7 @@ def replay(prop: Replayed, output: list[int], pooled: Pooled, name: str, cost: S
         complete = ended_by_proposer(offered, limits)
         tree = offered
         if len(offered):
-            alphas = state.estimate.alphas(max(depths(offered.parents), default=1))
-            e = expected_by_width(alphas, offered.parents, offered.probs)
-            tree = truncate(offered, choose_widths([e], cost, packed=True)[0] - 1)
+            tree = truncate(offered, choose_widths([state.expected(offered)], cost, packed=True)[0] - 1)
             if not len(tree) and state.shadow is None:
                 state.shadow = Shadow(offered, complete)
         levels, rejected = 0, False
@@ -142,7 +140,7 @@ def replay(prop: Replayed, output: list[int], pooled: Pooled, name: str, cost: S
             node, levels, outcome = follow(tree, 0, output[pos:])
             rejected = bool(outcome)
             ended = not rejected and complete and len(tree) == len(offered) and node - 1 not in tree.parents
-            state.observe(levels, rejected, ended)
+            state.observe(levels, rejected, ended, tree)
             state.shadow = None
             pooled.stats += AcceptanceStats.of_step(len(tree), levels, rejected, ended=ended)
         elif not len(offered):

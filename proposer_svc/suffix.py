@@ -20,6 +20,14 @@ the depth grows with ℓ (``spec_factor``), and the most probable nodes fill the
 best-scoring tree (score = Σ node probabilities, the expected accepted tokens if the counts are
 right), and their union is sent (``union``), each node with the larger of its two probabilities.
 
+The counts are not what the verifier should bet on: a continuation seen once after a 1-token match
+has count ratio 1.0 and is right a third of the time. ``Calibration`` turns each node's count
+ratio into the acceptance this proposer has measured for nodes like it (same source, match
+length, depth 1 or deeper, count ratio, parent count), learned from the tokens every stream's
+``Advance`` brings (under greedy decoding a node is right exactly when its token is the one
+emitted at its depth), so the path probabilities sent are calibrated and the verifier's gate can
+take them at their word.
+
 Tokens are < ``SEP`` (2**21 − 1): three pack order-preserving into one int64, which is what lets
 numpy's ``searchsorted`` walk the suffix array (``pack3``).
 """
@@ -43,10 +51,10 @@ _SHIFT = np.array([42, 21, 0], dtype=np.int64)
 class SuffixConfig:
     max_depth: int = 24  # deepest node (the verifier's budget may cut further)
     max_nodes: int = 32
-    min_token_prob: float = 0.2  # nodes whose path probability is below are not proposed
+    min_token_prob: float = 0.05  # nodes whose count ratio is below are not proposed
     spec_factor: float = 2.0  # depth ≤ spec_factor × match length + spec_offset
     spec_offset: int = 4
-    min_match: int = 2  # shortest suffix matched (1-token matches propose noise on prose)
+    min_match: int = 1  # shortest suffix matched in the sealed index (unindexed buffers match ≥ 2)
     max_match: int = 12  # longest suffix matched (the sealed index resolves 3 × index_levels)
     max_occurrences: int = 64  # occurrences per tree (the most recent; of an indexed match, an even sample)
     max_scan: int = 1024  # occurrences of the last token looked at per unindexed buffer (most recent first)
@@ -54,6 +62,8 @@ class SuffixConfig:
     max_cached_tokens: int = 1_000_000  # global cache, every scope together; FIFO by request
     cache_prompts: bool = False  # the global cache also learns prompts, not only outputs
     index_every: int = 8192  # tail tokens that trigger a re-index (or 1/8 of the indexed size)
+    calibrate: bool = True  # send measured acceptance per node kind instead of raw count ratios
+    calibration_prior: float = 2.0  # pseudo-trials behind a bin's prior (its count ratio)
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class Proposal:
     source: str  # "request" | "global" | "" (no tree)
     match_length: int
     score: float  # Σ probs: the expected accepted tokens if the counts are right
+    rows: int = 0  # occurrences the tree was counted from
 
 
 EMPTY = Proposal([], [], [], "", 0, 0.0)
@@ -450,7 +461,7 @@ def best_tree(matches: Matches, source: str, cfg: SuffixConfig, max_nodes: int, 
         if not rows:
             continue
         tokens, parents, probs = _tree_arrays(conts[:rows], max_nodes, cfg.min_token_prob)
-        tree = Proposal(tokens.tolist(), parents.tolist(), probs.tolist(), source, ell, float(probs.sum()))
+        tree = Proposal(tokens.tolist(), parents.tolist(), probs.tolist(), source, ell, float(probs.sum()), rows)
         if tree.score > best.score:
             best = tree
         if rows >= cfg.min_support:
@@ -538,6 +549,113 @@ def union(a: Proposal, b: Proposal, max_nodes: int) -> Proposal:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Calibration: what the count ratios are worth, measured
+
+SOURCES = ("request", "global")
+_LENGTHS, _QBINS, _PARENT_COUNTS = 6, 11, 4
+CALIBRATION_BINS = len(SOURCES) * _LENGTHS * 2 * _QBINS * _PARENT_COUNTS
+_WINDOW = 1024.0  # a bin past this many trials halves its counts: it follows the recent traffic
+
+
+@njit(cache=True, nogil=True)
+def calibrate(parents, probs, rows, source, match_length, hits, trials, prior, out_bins, out_path):  # pragma: no cover - compiled
+    """Each node's bin and calibrated path probability (see ``Calibration``). The bin is (source,
+    match length ≤ 6, depth 1 or deeper, q = count(node) / count(parent) in tenths, count(parent)
+    ≤ 4); the conditional (hits + prior · q) / (trials + prior); the path probability its product
+    with the parent's (parents precede children)."""
+    for i in range(len(parents)):
+        par = parents[i]
+        above = 1.0 if par < 0 else probs[par]
+        q = min(1.0, probs[i] / above) if above > 0 else 0.0
+        parent_count = max(1, int(above * rows + 0.5))
+        b = source * _LENGTHS + min(max(match_length, 1), _LENGTHS) - 1
+        b = b * 2 + (1 if par < 0 else 0)
+        b = b * _QBINS + min(int(q * 10.0), 10)
+        b = b * _PARENT_COUNTS + min(parent_count, _PARENT_COUNTS) - 1
+        out_bins[i] = b
+        cond = (hits[b] + prior * q) / (trials[b] + prior)
+        out_path[i] = cond if par < 0 else cond * out_path[par]
+
+
+@njit(cache=True, nogil=True)
+def learn_outcomes(tokens, parents, bins, emitted, hits, trials):  # pragma: no cover - compiled
+    """Scores every node whose parent's path was emitted: right iff its token was emitted at its
+    depth (the target's own token there, whatever the verifier cut). Returns how many were scored."""
+    n = len(tokens)
+    right = np.zeros(n, np.bool_)
+    depth = np.empty(n, np.int64)
+    scored = 0
+    for i in range(n):
+        par = parents[i]
+        depth[i] = 1 if par < 0 else depth[par] + 1
+        if (par < 0 or right[par]) and depth[i] <= len(emitted):
+            right[i] = tokens[i] == emitted[depth[i] - 1]
+            b = bins[i]
+            trials[b] += 1.0
+            hits[b] += 1.0 if right[i] else 0.0
+            if trials[b] > _WINDOW:
+                trials[b] *= 0.5
+                hits[b] *= 0.5
+            scored += 1
+    return scored
+
+
+@dataclass
+class Scored:
+    """A tree sent, kept until the tokens after its context arrive: each node's calibration bin."""
+
+    tree: Proposal
+    bins: np.ndarray  # [nodes]
+
+
+class Calibration:
+    """Measured acceptance per node kind, shared by every stream of the process.
+
+    A node's calibrated conditional is (hits + prior · q) / (trials + prior) of its bin (q: its
+    count ratio, the prior's mean), its path probability the product along its path; the tree is
+    then re-ordered most probable first (a child never above its parent: each factor ≤ 1).
+
+    Worked example: nodes like the root child 7 below (global, 1-token match, q = 1, one
+    occurrence) were right once in 4 trials; a prior of 2 pulls that toward q = 1:
+    (1 + 2 · 1) / (4 + 2) = 0.5; its child 8 was right the one time its parent was (3 / 3 = 1.0):
+
+    >>> cal = Calibration(prior=2.0)
+    >>> tree = Proposal([7, 8], [-1, 0], [1.0, 1.0], "global", 1, 2.0, rows=1)
+    >>> for emitted in ([7, 8], [5], [5], [5]):
+    ...     _ = cal.learn(cal.apply(tree)[1], emitted)
+    >>> cal.apply(tree)[0].probs
+    [0.5, 0.5]
+    """
+
+    def __init__(self, prior: float = 2.0) -> None:
+        self.prior = prior
+        self.hits = np.zeros(CALIBRATION_BINS, np.float64)
+        self.trials = np.zeros(CALIBRATION_BINS, np.float64)
+        self.lock = threading.Lock()
+
+    def apply(self, tree: Proposal) -> tuple[Proposal, Scored | None]:
+        if not tree.tokens:
+            return tree, None
+        n = len(tree.tokens)
+        bins, path = np.empty(n, np.int64), np.empty(n, np.float64)
+        with self.lock:
+            calibrate(np.asarray(tree.parents, np.int64), np.asarray(tree.probs, np.float64), tree.rows,
+                      SOURCES.index(tree.source), tree.match_length, self.hits, self.trials, self.prior, bins, path)  # fmt: skip
+        probs = path.tolist()
+        out = Proposal(tree.tokens, tree.parents, probs, tree.source, tree.match_length, float(path.sum()), tree.rows)
+        return out, Scored(out, bins)
+
+    def learn(self, scored: Scored | None, emitted: list[int]) -> int:
+        """The tokens that followed the context ``scored`` was proposed for; returns the nodes scored."""
+        if scored is None or not emitted:
+            return 0
+        t = scored.tree
+        with self.lock:
+            return learn_outcomes(np.asarray(t.tokens, np.int64), np.asarray(t.parents, np.int64), scored.bins,
+                                  np.asarray(emitted, np.int64), self.hits, self.trials)  # fmt: skip
+
+
 def merged(parts: list[Matches]) -> Matches:
     """One ``Matches`` over several sources."""
     parts = [m for m in parts if m.longest]
@@ -622,6 +740,8 @@ class SuffixCache:
         self.lock = threading.RLock()
         self.builds = 0
         self._next_key = 0
+        # Pooled over scopes, as the router's acceptance statistics are: rates per node kind, no text.
+        self.calibration = Calibration(config.calibration_prior) if config.calibrate else None
 
     def scope(self, name: str) -> ScopeCache:
         s = self.scopes.get(name)
@@ -750,12 +870,18 @@ class SuffixRequest:
         self.context = TokenBuffer(1024)
         self.key = cache.begin(scope)
         self.started = False
+        self.pending: list[Scored] = []  # the last proposal's source trees, scored when tokens follow
 
     @property
     def context_length(self) -> int:
         return self.context.n
 
     def extend(self, tokens: list[int]) -> None:
+        cal = self.cache.calibration
+        if cal is not None:
+            for scored in self.pending:
+                cal.learn(scored, tokens)
+        self.pending = []
         self.context.extend(tokens)
         if self.started or self.cache.config.cache_prompts:
             self.cache.extend(self.scope, self.key, tokens)
@@ -771,6 +897,10 @@ class SuffixRequest:
         # match, nor the reverse, and the verifier's gate cuts the union by those probabilities.
         own = best_tree(self.context.matches(ctx, cfg), "request", cfg, nodes, depth)
         shared = best_tree(self.cache.matches(self.scope, ctx, self.key), "global", cfg, nodes, depth)
+        cal = self.cache.calibration
+        if cal is not None:
+            (own, a), (shared, b) = cal.apply(own), cal.apply(shared)
+            self.pending = [x for x in (a, b) if x is not None]
         return union(own, shared, nodes)
 
     def close(self) -> np.ndarray:

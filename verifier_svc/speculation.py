@@ -8,7 +8,9 @@ each step accepted (:meth:`SpeculationControl.after_step`). In between, per requ
   router's shared statistics and fed by every verified tree and by every skipped tree scored
   against the tokens emitted after it;
 - the cost gate: trees are cut to the batch's best width by the measured step cost (maybe to
-  nothing: plain decoding this step), from that estimate;
+  nothing: plain decoding this step), from that estimate, or, for trees that carry the proposer's
+  path probabilities, from those probabilities scaled by how well they have held for this request
+  (``Trust``);
 - every ``redecide_steps`` steps the router revisits the proposer and k from the same estimate (a
   new proposer's stream opens with a fresh estimate from the shared statistics).
 """
@@ -83,6 +85,37 @@ class Shadow:
 
 
 @dataclass
+class Trust:
+    """How far a proposer's path probabilities hold for one request: (accepted + 1) / (predicted + 1)
+    over its recent trees (each sum decays by ``keep`` per tree), at most ``MAX_TRUST``. An honest,
+    calibrated proposer stays near 1; one that claims certainty and misses drops within a tree or
+    two, and the gate then cuts its trees as its record says.
+
+    >>> t = Trust()
+    >>> t.value
+    1.0
+    >>> t.observe([1.0] * 8, 0); round(t.value, 2)  # claimed 8 accepted tokens, got none
+    0.11
+    """
+
+    accepted: float = 0.0
+    predicted: float = 0.0
+    keep: float = 0.8
+
+    def observe(self, probs: list[float], accepted: int) -> None:
+        """A verified (or skipped and walked) tree: its nodes' path probabilities, the levels taken."""
+        self.accepted = self.accepted * self.keep + accepted
+        self.predicted = self.predicted * self.keep + sum(probs)
+
+    @property
+    def value(self) -> float:
+        return min(MAX_TRUST, (self.accepted + 1.0) / (self.predicted + 1.0))
+
+
+MAX_TRUST = 1.5
+
+
+@dataclass
 class SpecState:
     """One request's speculation: its proposer stream, counters and acceptance estimate."""
 
@@ -90,6 +123,7 @@ class SpecState:
     counters: SpecCounters = field(default_factory=SpecCounters)
     last_tree: float = 0.0  # perf_counter of the last tree taken (liveness)
     estimate: RequestEstimate = field(default_factory=lambda: RequestEstimate((0.5,)))
+    trust: Trust = field(default_factory=Trust)  # for trees with path probabilities
     shadow: Shadow | None = None
     k_cap: int | None = None  # the router's draft tokens per step; None: no cap
     failed_proposers: set[str] = field(default_factory=set)
@@ -109,10 +143,17 @@ class SpecState:
             state.estimate = estimate
         return state
 
-    def observe(self, accepted: int, rejected: bool, ended: bool) -> None:
+    def observe(self, accepted: int, rejected: bool, ended: bool, tree: TokenTree | None = None) -> None:
         """A verified tree: ``accepted`` levels taken; ``rejected``: the walk stopped at a node that
         had children (a miss), not at a leaf (censored, or an end where the proposer ``ended``)."""
         self.estimate.observe(levels_sample(0, accepted, rejected, ended))
+        if tree is not None and tree.probs:
+            self.trust.observe(tree.probs, accepted)
+
+    def expected(self, tree: TokenTree) -> list[float]:
+        """The gate's expected accepted tokens for each width of ``tree`` (``expected_by_width``)."""
+        alphas = self.estimate.alphas(max(depths(tree.parents), default=1))
+        return expected_by_width(alphas, tree.parents, tree.probs, self.trust.value)
 
     def complete(self, tree: TokenTree) -> bool:
         """Whether ``tree`` (verified or skipped this step) is the proposer's whole tree."""
@@ -132,6 +173,8 @@ class SpecState:
             shadow.node, shadow.matched = node, shadow.matched + levels
             return None
         self.shadow = None
+        if shadow.tree.probs:
+            self.trust.observe(shadow.tree.probs, shadow.matched + levels)
         return AcceptanceStats.of_step(len(shadow.tree), shadow.matched + levels, rejected, ended=ended)
 
 
@@ -148,42 +191,38 @@ def ended_by_proposer(tree: TokenTree, limits: ProposerLimits) -> bool:
     return len(tree) < limits.max_nodes and max(depths(tree.parents), default=0) < limits.max_depth
 
 
-def expected_by_width(alphas: Sequence[float], parents: list[int], probs: list[float] | None = None) -> list[float]:
+def expected_by_width(
+    alphas: Sequence[float], parents: list[int], probs: list[float] | None = None, trust: float = 1.0
+) -> list[float]:
     """Expected accepted tokens when a tree is cut to its first w - 1 nodes, for each w
     (``alphas[d - 1]`` = α_d, the request's acceptance at depth d; deeper, the last one repeats).
 
     Without ``probs``: the chain model Σ_{d=1..r} Π_{j≤d} α_j for the depth r the cut tree reaches
-    (siblings add nothing). With the proposer's path probabilities: α_d is shared among siblings in
-    proportion to the proposer's conditional q_i = p_i / p_parent, so a node is accepted with
-    P(i) = P(parent) · α_d · q_i / Σ_siblings q, and E(w) = Σ_{i<w} P(i). A chain (q = 1) gives the
-    chain model back; a sibling the proposer rates low adds little, so the gate cuts it first.
+    (siblings add nothing). With the proposer's path probabilities p_i (the probability that node
+    i's whole path is accepted): E(w) = Σ_{i<w} min(1, trust · p_i), the expected number of
+    accepted nodes, ``trust`` being how far this request's trees have borne them out (``Trust``).
+    The α's do not enter: they average confident and hopeless trees alike, where the proposer
+    knows which is which (a long match against a one-token guess).
 
     >>> [round(e, 2) for e in expected_by_width([0.5], [-1, 0, -1])]  # a chain of 2 and a sibling
     [0.0, 0.5, 0.75, 0.75]
     >>> [round(e, 2) for e in expected_by_width([0.8, 0.5], [-1, 0, -1], [0.75, 0.5, 0.25])]
-    [0.0, 0.6, 0.9, 1.1]
+    [0.0, 0.75, 1.25, 1.5]
+    >>> [round(e, 2) for e in expected_by_width([0.8, 0.5], [-1, 0, -1], [0.75, 0.5, 0.25], trust=0.5)]
+    [0.0, 0.38, 0.62, 0.75]
     """
-    d = depths(parents)
-    if probs is None:
-        reach = max(d, default=0)
-        chain = expected_accepted([*alphas[:reach], *[alphas[-1]] * (reach - len(alphas))])
-        out, r = [0.0], 0
-        for di in d:
-            r = max(r, di)
-            out.append(chain[r])
+    if probs is not None:
+        out = [0.0]
+        for p in probs:
+            out.append(out[-1] + min(1.0, trust * p))
         return out
-    above = [1.0 if par < 0 else probs[par] for par in parents]  # the parent's path probability
-    cond = [min(1.0, p / a) if a > 0 else 0.0 for p, a in zip(probs, above, strict=True)]
-    mass: dict[int, float] = {}  # parent → Σ q of its children in the tree
-    for q, par in zip(cond, parents, strict=True):
-        mass[par] = mass.get(par, 0.0) + q
-    accepted: list[float] = []  # P(node i accepted)
-    out = [0.0]
-    for q, par, di in zip(cond, parents, d, strict=True):
-        alpha = alphas[di - 1] if di <= len(alphas) else alphas[-1]
-        share = q / mass[par] if mass[par] > 0 else 0.0
-        accepted.append((accepted[par] if par >= 0 else 1.0) * alpha * share)
-        out.append(out[-1] + accepted[-1])
+    d = depths(parents)
+    reach = max(d, default=0)
+    chain = expected_accepted([*alphas[:reach], *[alphas[-1]] * (reach - len(alphas))])
+    out, r = [0.0], 0
+    for di in d:
+        r = max(r, di)
+        out.append(chain[r])
     return out
 
 
@@ -266,10 +305,7 @@ class SpeculationControl:
     def _gate(self, seqs: list[Sequence], trees: list[TokenTree]) -> list[TokenTree]:
         """Cut every tree to its row's best step width (maybe 1: no speculation for it this step):
         one width for the batch where steps are padded, one per row where they are packed."""
-        expected = [
-            expected_by_width(seq.spec.estimate.alphas(max(depths(tree.parents), default=1)), tree.parents, tree.probs)
-            for seq, tree in zip(seqs, trees, strict=True)
-        ]
+        expected = [seq.spec.expected(tree) for seq, tree in zip(seqs, trees, strict=True)]
         widths = choose_widths(expected, self.step_cost, self.config.packed_steps)
         out = []
         for seq, tree, width in zip(seqs, trees, widths, strict=True):
@@ -302,7 +338,7 @@ class SpeculationControl:
                 last = path[-1] if path else -1
                 rejected = last in tree.parents
                 ended = not rejected and spec.complete(tree)  # a leaf of the proposer's own tree
-                spec.observe(len(path), rejected, ended)
+                spec.observe(len(path), rejected, ended, tree)
                 spec.shadow = None
                 sample = AcceptanceStats.of_step(len(tree), len(path), rejected, self.last_wait, ended)
                 add(samples, (spec.counters.proposer, tag), sample)

@@ -83,20 +83,41 @@ def test_a_request_whose_trees_keep_matching_gets_speculation_from_the_router_de
 
 
 def test_the_proposers_path_probabilities_let_the_gate_cut_the_siblings_it_rates_low():
-    """A chain rated certain is the chain model exactly; a bushy tree's low-rated siblings add
-    little expected acceptance, so on this CPU's cost curve the gate keeps the strong chain only."""
+    """Path probabilities are taken as the chance each node is accepted: a chain rated certain is
+    worth one token a node whatever the request's α's, and low-rated siblings add so little that
+    on this CPU's cost curve the gate keeps the strong chain only."""
     alphas = [0.8, 0.7, 0.6, 0.6]
     chain = list(range(-1, 5))
-    assert expected_by_width(alphas, chain, [1.0] * 6) == pytest.approx(expected_by_width(alphas, chain))
+    assert expected_by_width(alphas, chain, [1.0] * 6) == pytest.approx([0.0, 1, 2, 3, 4, 5, 6])
     # A 6-node chain the proposer rates 0.9 per level, then 26 one-off siblings under its first five nodes.
     parents = chain + [i % 5 for i in range(26)]  # none deeper than the chain
     probs = [0.9 ** (d + 1) for d in range(6)] + [0.02] * 26
     with_probs = expected_by_width(alphas, parents, probs)
-    assert with_probs[-1] - with_probs[7] < 0.3  # the 26 siblings together add < 0.3 tokens
+    assert with_probs[-1] - with_probs[7] < 0.6  # the 26 siblings together add ≈ 0.5 tokens
     dear = StepCost.by_tokens((1, 8, 16, 33), (0.044, 0.072, 0.078, 0.120))  # measured here, ms → s
     assert 1 < choose_width([with_probs], dear) <= 8
     # Without the probabilities, the chain model's value is the same for every width ≥ 7:
     assert expected_by_width(alphas, parents)[7:] == [expected_by_width(alphas, parents)[7]] * 26
+
+
+def test_a_proposer_that_claims_certainty_and_misses_loses_the_gate_within_two_trees():
+    """Trust scales the probabilities by how they held for this request: a proposer rating every node
+    of a 16-node chain certain, with nothing accepted, is cut after two trees to the few nodes this
+    CPU verifies at a plain step's cost, while an honest one (as many tokens as it said) keeps its
+    probabilities at face value."""
+    cpu = StepCost.by_tokens((1, 2, 4, 8, 16, 32), (1.0, 1.0, 1.0, 1.1, 1.4, 1.7))
+    chain, certain = list(range(-1, 15)), [1.0] * 16
+    liar = SpecState()
+    assert choose_width([liar.expected(TokenTree(list(range(16)), chain, probs=certain))], cpu) == 17
+    for _ in range(2):
+        liar.observe(0, rejected=True, ended=False, tree=TokenTree(list(range(16)), chain, probs=certain))
+    assert liar.trust.value < 0.05
+    assert choose_width([liar.expected(TokenTree(list(range(16)), chain, probs=certain))], cpu) <= 4
+    honest, halving = SpecState(), [0.5 ** (d + 1) for d in range(16)]
+    for _ in range(10):
+        honest.observe(1, rejected=True, ended=False, tree=TokenTree(list(range(16)), chain, probs=halving))
+    assert honest.trust.value == pytest.approx(1.0, abs=0.05)
+    assert choose_width([honest.expected(TokenTree(list(range(16)), chain, probs=halving))], cpu) > 1
 
 
 class ScriptedSession:
