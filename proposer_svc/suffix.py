@@ -559,9 +559,9 @@ _WINDOW = 1024.0  # a bin past this many trials halves its counts: it follows th
 
 
 @njit(cache=True, nogil=True)
-def calibrate(parents, probs, rows, source, match_length, hits, trials, prior, out_bins, out_path):  # pragma: no cover - compiled
+def calibrate(parents, probs, rows, source, ell, hits, trials, prior, out_bins, out_path):  # pragma: no cover - compiled
     """Each node's bin and calibrated path probability (see ``Calibration``). The bin is (source,
-    match length ≤ 6, depth 1 or deeper, q = count(node) / count(parent) in tenths, count(parent)
+    match length ℓ ≤ 6, depth 1 or deeper, q = count(node) / count(parent) in tenths, count(parent)
     ≤ 4); the conditional (hits + prior · q) / (trials + prior); the path probability its product
     with the parent's (parents precede children)."""
     for i in range(len(parents)):
@@ -569,7 +569,7 @@ def calibrate(parents, probs, rows, source, match_length, hits, trials, prior, o
         above = 1.0 if par < 0 else probs[par]
         q = min(1.0, probs[i] / above) if above > 0 else 0.0
         parent_count = max(1, int(above * rows + 0.5))
-        b = source * _LENGTHS + min(max(match_length, 1), _LENGTHS) - 1
+        b = source * _LENGTHS + min(max(ell, 1), _LENGTHS) - 1
         b = b * 2 + (1 if par < 0 else 0)
         b = b * _QBINS + min(int(q * 10.0), 10)
         b = b * _PARENT_COUNTS + min(parent_count, _PARENT_COUNTS) - 1
@@ -640,8 +640,9 @@ class Calibration:
         n = len(tree.tokens)
         bins, path = np.empty(n, np.int64), np.empty(n, np.float64)
         with self.lock:
-            calibrate(np.asarray(tree.parents, np.int64), np.asarray(tree.probs, np.float64), tree.rows,
-                      SOURCES.index(tree.source), tree.match_length, self.hits, self.trials, self.prior, bins, path)  # fmt: skip
+            src = SOURCES.index(tree.source)
+            parents, counts = np.asarray(tree.parents, np.int64), np.asarray(tree.probs, np.float64)
+            calibrate(parents, counts, tree.rows, src, tree.match_length, self.hits, self.trials, self.prior, bins, path)
         probs = path.tolist()
         out = Proposal(tree.tokens, tree.parents, probs, tree.source, tree.match_length, float(path.sum()), tree.rows)
         return out, Scored(out, bins)
