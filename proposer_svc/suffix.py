@@ -559,7 +559,7 @@ _WINDOW = 1024.0  # a bin past this many trials halves its counts: it follows th
 
 
 @njit(cache=True, nogil=True)
-def calibrate(parents, probs, rows, source, ell, hits, trials, prior, out_bins, out_path):  # pragma: no cover - compiled
+def calibrate(parents, probs, rows, source, ell, hits, trials, prior, out_bins, out_path):  # pragma: no cover
     """Each node's bin and calibrated path probability (see ``Calibration``). The bin is (source,
     match length ℓ ≤ 6, depth 1 or deeper, q = count(node) / count(parent) in tenths, count(parent)
     ≤ 4); the conditional (hits + prior · q) / (trials + prior); the path probability its product
@@ -642,7 +642,8 @@ class Calibration:
         with self.lock:
             src = SOURCES.index(tree.source)
             parents, counts = np.asarray(tree.parents, np.int64), np.asarray(tree.probs, np.float64)
-            calibrate(parents, counts, tree.rows, src, tree.match_length, self.hits, self.trials, self.prior, bins, path)
+            ell, prior = tree.match_length, self.prior
+            calibrate(parents, counts, tree.rows, src, ell, self.hits, self.trials, prior, bins, path)
         probs = path.tolist()
         out = Proposal(tree.tokens, tree.parents, probs, tree.source, tree.match_length, float(path.sum()), tree.rows)
         return out, Scored(out, bins)
