@@ -10,7 +10,8 @@ seconds here, without noise, e.g. to tell a proposer change or a gate change tha
 that does not before the bench measures it.
 
 Left out: the proposer's latency, the engine's per-step work outside the forward, and the router
-(each mode is one proposer, its trees not capped by a router's k). The gate runs as the
+(each mode is one proposer, its trees not capped by a router's k; the verifier caps only trees
+without path probabilities, i.e. n-gram's here). The gate runs as the
 verifier's does (``SpecState.expected``, ``choose_widths``, the request's ``RequestEstimate`` and
 ``Trust`` with its shadow-scored skipped trees), its prior the proposer's statistics pooled over the requests
 replayed before (not decayed).
@@ -143,7 +144,7 @@ def replay(prop: Replayed, output: list[int], pooled: Pooled, name: str, cost: S
             state.observe(levels, rejected, ended, tree)
             state.shadow = None
             pooled.stats += AcceptanceStats.of_step(len(tree), levels, rejected, ended=ended)
-        elif not len(offered):
+        elif not len(offered) or offered.probs:  # nothing, or nothing worth verifying (the gate's call)
             state.estimate.observe_no_tree()
             pooled.stats += AcceptanceStats.no_tree()
         emitted = output[pos : pos + levels + 1]

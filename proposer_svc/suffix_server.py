@@ -153,9 +153,15 @@ def build_flags() -> ServiceFlags:
     f.add("--max-depth", d.max_depth, int, "tree depth per proposal (the verifier's budget may cut more)", minimum=1)
     f.add("--spec-factor", d.spec_factor, float, "depth ≤ spec-factor × match length + spec-offset", minimum=0)
     f.add("--spec-offset", d.spec_offset, int, "see --spec-factor", minimum=0)
+    f.add("--min-match", d.min_match, int, "shortest context suffix matched in the indexed cache (tokens; "
+          "unindexed buffers match at least 2)", minimum=1)  # fmt: skip
     f.add("--max-match", d.max_match, int, "longest context suffix matched (tokens)", minimum=2)
     f.add("--max-occurrences", d.max_occurrences, int, "occurrences counted per tree", minimum=1)
     f.add("--cache-prompts", d.cache_prompts, boolean, "the global cache also learns prompts, not only outputs")
+    f.add("--calibrate", d.calibrate, boolean, "send path probabilities calibrated by the acceptance measured per "
+          "node kind (off: raw count ratios)")  # fmt: skip
+    f.add("--calibration-prior", d.calibration_prior, float, "pseudo-trials behind each calibration bin's count "
+          "ratio", minimum=0)  # fmt: skip
     f.add("--redis-url", "", str, "share finished outputs with the other suffix replicas through this Redis; "
           "empty: learn from this replica's own streams")  # fmt: skip
     f.add("--redis-prefix", ShareConfig("").prefix, str, "key prefix of the shared stream")
@@ -170,16 +176,21 @@ def parse_args(argv: list[str] | None = None) -> SuffixServerConfig:
     serving = serving_config(f, a)
     if a.max_match > 12:
         f.error("--max-match: at most 12 (the index resolves 12 tokens)")
+    if a.min_match > a.max_match:
+        f.error(f"--min-match: at most --max-match ({a.max_match})")
     suffix = SuffixConfig(
         max_depth=a.max_depth,
         max_nodes=a.max_nodes,
         min_token_prob=a.min_token_prob,
         spec_factor=a.spec_factor,
         spec_offset=a.spec_offset,
+        min_match=a.min_match,
         max_match=a.max_match,
         max_occurrences=a.max_occurrences,
         max_cached_tokens=a.max_cached_tokens,
         cache_prompts=a.cache_prompts,
+        calibrate=a.calibrate,
+        calibration_prior=a.calibration_prior,
     )
     share = None
     if a.redis_url:

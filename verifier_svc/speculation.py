@@ -130,6 +130,9 @@ class SpecState:
     # This step's tree as the proposer sent it, where the proposer ended it within the verifier's
     # budget (empty: it had none); None: no tree, or one the budget may have cut.
     offered: TokenTree | None = None
+    # This step's tree carried path probabilities and the gate cut all of it: to the router (and
+    # the request's estimate), a step the proposer had nothing worth verifying for.
+    gated_out: bool = False
 
     @classmethod
     def start(cls, session: ProposerSession | None, k_cap: int | None, estimate: RequestEstimate | None) -> SpecState:
@@ -163,18 +166,25 @@ class SpecState:
         """Walk the skipped tree along the emitted tokens. Each step's matched levels update the
         estimate at once, at the depths they reached (censored while the walk goes on), so a request
         whose skipped trees keep guessing right turns speculation on within a few steps; once
-        decided, the whole tree is returned as one sample for the router's statistics."""
+        decided, the whole tree is returned as one sample for the router's statistics.
+
+        A tree with path probabilities feeds its request's ``Trust`` only: the gate prices such
+        trees by their probabilities, not by α, and the router counts the step as one without a
+        tree worth verifying (``gated_out``), which is what the proposer's steps cost under the gate."""
         shadow = self.shadow
         assert shadow is not None
         node, levels, rejected = follow(shadow.tree, shadow.node, emitted)
         ended = shadow.complete and rejected is False
-        self.estimate.observe(levels_sample(shadow.matched, levels, bool(rejected), ended))
+        priced = bool(shadow.tree.probs)
+        if not priced:
+            self.estimate.observe(levels_sample(shadow.matched, levels, bool(rejected), ended))
         if rejected is None:
             shadow.node, shadow.matched = node, shadow.matched + levels
             return None
         self.shadow = None
-        if shadow.tree.probs:
+        if priced:
             self.trust.observe(shadow.tree.probs, shadow.matched + levels)
+            return None
         return AcceptanceStats.of_step(len(shadow.tree), shadow.matched + levels, rejected, ended=ended)
 
 
@@ -276,6 +286,7 @@ class SpeculationControl:
         trees = []
         for seq in seqs:
             tree, spec = None, seq.spec
+            spec.gated_out = False
             if spec.session is not None:
                 spec.counters.wait_s += waited
                 recent = seq.output[-self.config.recent_tokens :] if seq.req.temperature == 0 else None
@@ -286,9 +297,11 @@ class SpeculationControl:
                 spec.offered = tree if complete else None
                 if tree is not None:
                     spec.last_tree = now
-                    # The router's k caps the tree; whether to speculate at all is the cost gate's call,
-                    # from the request's own acceptance (which skipped trees keep scoring).
-                    if spec.k_cap is not None and spec.k_cap < len(tree):
+                    # The router's k caps a tree priced by the chain model; whether to speculate at all
+                    # is the cost gate's call, from the request's own acceptance (which skipped trees
+                    # keep scoring). A tree with path probabilities is sized by the gate alone: the
+                    # router's k is a chain's depth, and would cut the likeliest siblings of a bushy tree.
+                    if spec.k_cap is not None and spec.k_cap < len(tree) and not tree.probs:
                         tree = truncate(tree, spec.k_cap)
                 elif now - max(spec.last_tree, spec.session.last_response) > self.config.proposer_timeout_s:
                     self.drop_session(
@@ -310,8 +323,10 @@ class SpeculationControl:
         out = []
         for seq, tree, width in zip(seqs, trees, widths, strict=True):
             if len(tree) > width - 1:
-                if width == 1 and seq.spec.shadow is None:
-                    seq.spec.shadow = Shadow(tree, seq.spec.complete(tree))
+                if width == 1:
+                    seq.spec.gated_out = bool(tree.probs)
+                    if seq.spec.shadow is None:
+                        seq.spec.shadow = Shadow(tree, seq.spec.complete(tree))
                 tree = truncate(tree, width - 1)
             out.append(tree)
         return out
@@ -343,7 +358,7 @@ class SpeculationControl:
                 sample = AcceptanceStats.of_step(len(tree), len(path), rejected, self.last_wait, ended)
                 add(samples, (spec.counters.proposer, tag), sample)
                 add(verified, spec.counters.proposer, sample)
-            elif spec.offered is not None and not len(spec.offered):  # the proposer had nothing
+            elif (spec.offered is not None and not len(spec.offered)) or spec.gated_out:  # nothing (worth it)
                 spec.estimate.observe_no_tree()
                 add(samples, (spec.counters.proposer, tag), AcceptanceStats.no_tree())
             emitted = [tree.tokens[k] for k in path] + [bonus]

@@ -14,6 +14,7 @@ import pytest
 from proposer_svc.suffix import (
     MAX_VOCAB,
     SEP,
+    Calibration,
     Proposal,
     SealedIndex,
     SuffixCache,
@@ -677,3 +678,84 @@ def test_memory_stays_bounded_over_10k_synthetic_requests():
     # one scope per request: only the scopes still holding a cached output remain
     assert peak_scopes <= max_cached // 20 + 8
     assert len(cache.scopes) <= len(cache.fifo) + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration: the path probabilities sent are the acceptance measured per node kind
+
+# Root children 7 (3 of 4 occurrences) and 5 (1 of 4); 8 follows 7 in 2 of its 3 occurrences.
+FORK = Proposal([7, 5, 8], [-1, -1, 0], [0.75, 0.25, 0.5], "global", 2, 1.5, rows=4)
+
+
+def test_calibration_converges_to_each_node_kinds_measured_acceptance_not_its_count_ratio():
+    """The target continues 7 8 in 20% of steps, 7 9 in 10%, 5 in 10%, something else in 60%: the
+    counts said 0.75 / 0.5 / 0.25. After 2000 steps the sent probabilities are what was measured
+    (7: 0.3, its child 8: 0.2 along the path, 5: 0.1), within the prior's pull."""
+    rng = np.random.default_rng(0)
+    cal = Calibration(prior=2.0)
+    outcomes = {0: [7, 8], 1: [7, 9], 2: [5, 1], 3: [3, 3]}
+    for k in rng.choice(4, size=2000, p=[0.2, 0.1, 0.1, 0.6]):
+        cal.learn(cal.apply(FORK)[1], outcomes[int(k)])
+    probs = cal.apply(FORK)[0].probs
+    assert probs == pytest.approx([0.3, 0.1, 0.2], abs=0.04)
+
+
+def test_only_nodes_whose_parent_path_was_emitted_are_scored_whatever_the_verifier_cut():
+    """Emitted 5 …: both root children are scored (5 right, 7 wrong), 8 under the wrong 7 is not;
+    emitted 7 8: 7, 5 and 8 are scored, also if the verifier had cut 8 (the emitted token at depth 2
+    is the target's own); emitted tokens stop at depth 1: 8 is not scored."""
+    cal = Calibration()
+    assert cal.learn(cal.apply(FORK)[1], [5, 6]) == 2
+    assert cal.learn(cal.apply(FORK)[1], [7, 8]) == 3
+    assert cal.learn(cal.apply(FORK)[1], [7]) == 2
+    assert cal.trials.sum() == 7 and cal.hits.sum() == 4  # 5; 7 and 8; 7
+    assert cal.learn(None, [7]) == 0 and cal.learn(cal.apply(FORK)[1], []) == 0
+
+
+def test_a_calibration_bin_follows_the_recent_traffic_in_a_bounded_window():
+    cal = Calibration()
+    for _ in range(3000):
+        cal.learn(cal.apply(FORK)[1], [7, 8])
+    for _ in range(2000):
+        cal.learn(cal.apply(FORK)[1], [5])
+    assert cal.trials.max() <= 1024
+    assert cal.apply(FORK)[0].probs[1] > 0.9  # 5 is right now, whatever 3000 steps said before
+    assert cal.apply(FORK)[0].probs[0] < 0.1
+
+
+def test_calibrated_trees_are_ancestor_closed_most_probable_first():
+    """Whatever the bins learned, a node's calibrated path probability never exceeds its parent's,
+    so the union (sorted by probability) keeps parents before children and the verifier's cut to the
+    first w nodes is a tree."""
+    rng = np.random.default_rng(3)
+    cache = SuffixCache(replace(SuffixConfig(), index_every=64), background=False)
+    outputs = _outputs(rng, 80)
+    for out in outputs:
+        cache.ingest("s", out)
+    for out in outputs[:40]:
+        req = SuffixRequest(cache, "s")
+        req.extend(out[:4].tolist())
+        for t in out[4:].tolist():
+            tree = req.propose()
+            assert all(p < 0 or p < i for i, p in enumerate(tree.parents))
+            assert all(p < 0 or tree.probs[i] <= tree.probs[p] + 1e-12 for i, p in enumerate(tree.parents))
+            assert tree.probs == sorted(tree.probs, reverse=True)
+            req.extend([t])
+        req.close()
+    assert cache.calibration is not None and cache.calibration.trials.sum() > 0
+
+
+def test_a_stream_scores_its_last_proposal_when_the_tokens_after_it_arrive():
+    cache = SuffixCache(SuffixConfig(), background=False)
+    cache.ingest("s", np.array([1, 2, 3, 4, 5], np.int32))
+    req = SuffixRequest(cache, "s")
+    req.extend([9, 1, 2])
+    assert cache.calibration.trials.sum() == 0  # the prompt follows no proposal
+    tree = req.propose()
+    assert tree.tokens[:3] == [3, 4, 5] and tree.probs[0] == 1.0  # nothing measured yet: the counts
+    req.extend([3, 4, 7])  # 3 and 4 right, 5 wrong
+    assert (cache.calibration.hits.sum(), cache.calibration.trials.sum()) == (2, 3)
+    req.extend([8])  # no proposal since: nothing scored twice
+    assert cache.calibration.trials.sum() == 3
+    off = SuffixCache(replace(SuffixConfig(), calibrate=False), background=False)
+    assert off.calibration is None

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from specmesh.server.tree import TokenTree
-from specmesh_router.cost_model import StepCost, choose_width
+from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width
 from specmesh_router.estimate import Posterior, RequestEstimate, expected_accepted, levels_sample
 from specmesh_router.stats import AcceptanceStats, StatsKey
 from tests.router.test_selection import MODEL, feed, make_router
@@ -165,3 +165,36 @@ def test_the_verifier_records_where_the_proposer_ended_its_tree_not_where_the_bu
     assert got.ends == (1.0, 0.0, 1.0)
     assert (got.hits, got.trials) == ((4.0, 2.0, 1.0), (4.0, 3.0, 1.0))
     assert got.steps == 4.0  # the empty step carried no draft
+
+
+def test_trees_with_path_probabilities_escape_the_routers_k_and_a_tree_the_gate_skips_is_no_tree_to_the_router(clock):
+    """The router's k (a chain's depth) cuts a tree without probabilities; one with them is sized
+    by the gate alone. A probability tree the gate cuts to nothing is, to the router's statistics
+    and the request's estimate, a step without a tree worth verifying (its coverage), not a miss
+    at depth 1; its walk along the emitted tokens feeds the request's Trust only."""
+    router = make_router(clock)
+    flat = LiveStepCost(StepCost.by_tokens((1, 2, 4, 8, 16), (1.0, 1.0, 1.0, 1.0, 1.0)))  # any width is free
+    control = SpeculationControl(SpeculationConfig(), EngineStats(), threading.Condition(), flat, router)
+    session = ScriptedSession(ProposerLimits(vocab_size=100, max_nodes=8, max_depth=8))
+    req = SimpleNamespace(temperature=0.0, spec=SimpleNamespace(workload_tag="chat"))
+    seq = SimpleNamespace(spec=SpecState.start(session, 2, None), context_length=10, length=10, output=[], req=req)
+
+    def take(tree: TokenTree) -> TokenTree:
+        session.next = tree
+        return control.collect_trees([seq], max_context=1000)[0]
+
+    assert len(take(TokenTree([5, 6, 7, 8], [-1, 0, 1, 2]))) == 2  # the router's k = 2
+    assert len(take(TokenTree([5, 6, 7, 8], [-1, 0, 1, 2], probs=[0.9, 0.8, 0.7, 0.6]))) == 4
+
+    dear = LiveStepCost(StepCost.by_tokens((1, 2, 4, 8, 16), (1.0, 3.0, 5.0, 9.0, 17.0)))  # a node costs a step
+    control.step_cost = dear
+    guess = TokenTree([5, 6], [-1, 0], probs=[0.05, 0.01])
+    verified = take(guess)
+    assert not len(verified) and seq.spec.gated_out
+    control.after_step([seq], [verified], [([], 5)])  # the guess was right (5): only Trust hears it
+    session.next = None  # the next step has no tree (the proposer is late): the walk goes on
+    control.after_step([seq], control.collect_trees([seq], max_context=1000), [([], 6)])
+    stats = router.stats.snapshot()[StatsKey(MODEL, "draft", "chat")]
+    assert stats.trials == () and stats.ends == (1.0,)  # one step without a tree, no miss, no hit
+    assert seq.spec.estimate.seen.ends == (1.0,) and seq.spec.estimate.seen.trials == ()
+    assert seq.spec.shadow is None and seq.spec.trust.accepted == 2.0  # the walk matched 5 then 6
