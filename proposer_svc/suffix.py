@@ -20,8 +20,9 @@ the depth grows with ℓ (``spec_factor``), and the most probable nodes fill the
 best-scoring tree (score = Σ node probabilities, the expected accepted tokens if the counts are
 right), and their union is sent (``union``), each node with the larger of its two probabilities.
 
-The counts are not what the verifier should bet on: a continuation seen once after a 1-token match
-has count ratio 1.0 and is right a third of the time. ``Calibration`` turns each node's count
+The counts are not what the verifier should bet on: on the dev workload, global first tokens with
+count ratio 1.0 were right 35% of the time, those after an 8-token match in the request's own
+context 94%. ``Calibration`` turns each node's count
 ratio into the acceptance this proposer has measured for nodes like it (same source, match
 length, depth 1 or deeper, count ratio, parent count), learned from the tokens every stream's
 ``Advance`` brings (under greedy decoding a node is right exactly when its token is the one
