@@ -606,8 +606,9 @@ def learn_outcomes(tokens, parents, bins, emitted, hits, trials):  # pragma: no 
 class Scored:
     """A tree sent, kept until the tokens after its context arrive: each node's calibration bin."""
 
-    tree: Proposal
-    bins: np.ndarray  # [nodes]
+    tokens: np.ndarray  # [nodes] int64
+    parents: np.ndarray  # [nodes] int64
+    bins: np.ndarray  # [nodes] int64
 
 
 class Calibration:
@@ -640,23 +641,22 @@ class Calibration:
             return tree, None
         n = len(tree.tokens)
         bins, path = np.empty(n, np.int64), np.empty(n, np.float64)
+        src = SOURCES.index(tree.source)
+        parents, counts = np.asarray(tree.parents, np.int64), np.asarray(tree.probs, np.float64)
         with self.lock:
-            src = SOURCES.index(tree.source)
-            parents, counts = np.asarray(tree.parents, np.int64), np.asarray(tree.probs, np.float64)
             ell, prior = tree.match_length, self.prior
             calibrate(parents, counts, tree.rows, src, ell, self.hits, self.trials, prior, bins, path)
         probs = path.tolist()
         out = Proposal(tree.tokens, tree.parents, probs, tree.source, tree.match_length, float(path.sum()), tree.rows)
-        return out, Scored(out, bins)
+        return out, Scored(np.asarray(tree.tokens, np.int64), parents, bins)
 
-    def learn(self, scored: Scored | None, emitted: list[int]) -> int:
+    def learn(self, scored: Scored | None, emitted) -> int:
         """The tokens that followed the context ``scored`` was proposed for; returns the nodes scored."""
-        if scored is None or not emitted:
+        if scored is None or not len(emitted):
             return 0
-        t = scored.tree
+        emitted = np.asarray(emitted, np.int64)
         with self.lock:
-            return learn_outcomes(np.asarray(t.tokens, np.int64), np.asarray(t.parents, np.int64), scored.bins,
-                                  np.asarray(emitted, np.int64), self.hits, self.trials)  # fmt: skip
+            return learn_outcomes(scored.tokens, scored.parents, scored.bins, emitted, self.hits, self.trials)
 
 
 def merged(parts: list[Matches]) -> Matches:
@@ -881,9 +881,10 @@ class SuffixRequest:
 
     def extend(self, tokens: list[int]) -> None:
         cal = self.cache.calibration
-        if cal is not None:
+        if cal is not None and self.pending:
+            emitted = np.asarray(tokens, np.int64)
             for scored in self.pending:
-                cal.learn(scored, tokens)
+                cal.learn(scored, emitted)
         self.pending = []
         self.context.extend(tokens)
         if self.started or self.cache.config.cache_prompts:
