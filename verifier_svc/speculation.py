@@ -84,6 +84,9 @@ class Shadow:
     matched: int = 0  # levels matched so far
 
 
+MAX_TRUST = 1.5  # an underconfident proposer's probabilities are raised at most this much
+
+
 @dataclass
 class Trust:
     """How far a proposer's path probabilities hold for one request: (accepted + 1) / (predicted + 1)
@@ -110,9 +113,6 @@ class Trust:
     @property
     def value(self) -> float:
         return min(MAX_TRUST, (self.accepted + 1.0) / (self.predicted + 1.0))
-
-
-MAX_TRUST = 1.5
 
 
 @dataclass
@@ -154,9 +154,11 @@ class SpecState:
             self.trust.observe(tree.probs, accepted)
 
     def expected(self, tree: TokenTree) -> list[float]:
-        """The gate's expected accepted tokens for each width of ``tree`` (``expected_by_width``)."""
-        alphas = self.estimate.alphas(max(depths(tree.parents), default=1))
-        return expected_by_width(alphas, tree.parents, tree.probs, self.trust.value)
+        """The gate's expected accepted tokens for each width of ``tree`` (``expected_by_width``): the
+        request's α's price a chain-model tree, its Trust one with path probabilities (no α read)."""
+        if tree.probs:
+            return expected_by_width((), tree.parents, tree.probs, self.trust.value)
+        return expected_by_width(self.estimate.alphas(max(depths(tree.parents), default=1)), tree.parents)
 
     def complete(self, tree: TokenTree) -> bool:
         """Whether ``tree`` (verified or skipped this step) is the proposer's whole tree."""
