@@ -16,12 +16,36 @@ depth, so cutting trees never biases the estimate down.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from specmesh_router.stats import MAX_POSITIONS, AcceptanceStats, one_at
 
 MAX_ALPHA = 0.99  # the gate never plans on certain acceptance
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a proposer's requests got per step, measured over every step they spent on it (a tree
+    verified, none, or one the gate skipped): tokens emitted and draft nodes verified.
+
+    >>> Served.of(AcceptanceStats.served(3, 6) + AcceptanceStats.served(1, 0), min_steps=2)
+    Served(tokens=2.0, nodes=3.0, steps=2.0)
+    >>> Served.of(AcceptanceStats.served(3, 6), min_steps=2) is None    # too little to go by
+    True
+    """
+
+    tokens: float
+    nodes: float
+    steps: float  # decayed steps behind the means
+
+    @classmethod
+    def of(cls, stats: AcceptanceStats | None, min_steps: float) -> Served | None:
+        if stats is None or stats.served_steps < min_steps or stats.served_steps <= 0:
+            return None
+        n = stats.served_steps
+        return cls(stats.served_tokens / n, stats.served_nodes / n, n)
 
 
 @dataclass(frozen=True)
@@ -34,6 +58,7 @@ class Posterior:
     wait_s: float = 0.0  # mean verifier wait for this proposer's draft, per step
     evidence: float = 0.0  # decayed steps behind the posterior
     coverage: float = 1.0  # share of steps the proposer had a tree for (the others cost a plain step)
+    served: Served | None = None  # measured per step, where there is enough of it
 
     def means(self) -> list[float]:
         return [a / (a + b) for a, b in zip(self.a, self.b, strict=True)]
@@ -47,10 +72,12 @@ def posterior(
     strength: float,
     depth: int,
     count_ends: bool = True,
+    min_served: float = math.inf,
 ) -> Posterior:
     """Per-depth Beta posteriors from shared statistics. Prior mean at depth d: the pooled (all
     workload tags) statistics where they exist, else the posterior mean one level up (depth 1:
-    ``prior_mean``), worth ``strength`` trials.
+    ``prior_mean``), worth ``strength`` trials. ``served``: the tag's measured steps where it has
+    ``min_served`` of them, else the pooled ones', else None.
 
     ``count_ends``: where the proposer's own trees ended (``AcceptanceStats.ends``) counts as a miss,
     so α is per step, whatever the proposer had: what the router compares proposers by. Without,
@@ -76,7 +103,8 @@ def posterior(
         a.append(mean * strength + hits)
         b.append((1 - mean) * strength + max(trials - hits, 0.0))
         mean = a[-1] / (a[-1] + b[-1])
-    return Posterior(proposer, tuple(a), tuple(b), stats.proposer_s_per_step, stats.steps, stats.coverage)
+    served = Served.of(stats, min_served) or Served.of(pooled, min_served)
+    return Posterior(proposer, tuple(a), tuple(b), stats.proposer_s_per_step, stats.steps, stats.coverage, served)
 
 
 def _trials(stats: AcceptanceStats, d: int, count_ends: bool) -> float:
@@ -152,9 +180,9 @@ class RequestEstimate:
     def posterior(self, base: Posterior, depth: int) -> Posterior:
         """This request's Beta per depth for the router's k, the ends of the proposer's trees
         counted as misses (wait and evidence from ``base``, the shared posterior of the same
-        proposer)."""
+        proposer). No ``served``: the request's own model, not what the proposer did for others."""
         a, b = self._beta(depth, count_ends=True)
-        return replace(base, a=tuple(a), b=tuple(b), coverage=self.seen.coverage)
+        return replace(base, a=tuple(a), b=tuple(b), coverage=self.seen.coverage, served=None)
 
     def alphas(self, depth: int) -> list[float]:
         """Posterior mean α per depth 1 … ``depth`` (at most ``MAX_ALPHA``), given a node is there:

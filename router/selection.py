@@ -15,6 +15,17 @@ verification is dear (large batches, CPUs) or acceptance poor. A request's k is 
 every row of the step drafted as much, step_time(B, 1 + k): with packed steps each row pays for
 its own tree only, which the verifier's width gate prices step by step (``choose_widths``).
 
+Which proposer: the goodput above prices k, but ranks proposers only until each has served
+enough steps (``min_served_steps``, decayed). From then on a proposer is ranked by what it
+measurably delivered per step, every step its requests spent on it counted, gate and all:
+
+    served(p) = tokens_p / (step_time(B, 1 + nodes_p) + wait_p)
+
+tokens_p, nodes_p: tokens emitted and draft nodes verified per step. The α chain is a model of
+chains; a proposer of wide trees sized by its own probabilities (suffix) is not one, and the
+model can rank it below a proposer it beats in every category. A proposer whose evidence decays
+below the threshold (unused for a few half-lives) is ranked by the model again, so it is retried.
+
 Exploration: ``thompson`` draws the α's from their posteriors (a seeded ``random.Random``; one
 draw per proposer moves every depth together); ``ucb`` adds an optimism bonus that shrinks with
 evidence; ``greedy`` uses posterior means. Statistics decay toward the prior, so the evidence
@@ -30,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specmesh_router.cost_model import CostFn
-from specmesh_router.estimate import Posterior, RequestEstimate, expected_accepted, posterior
+from specmesh_router.estimate import Posterior, RequestEstimate, Served, expected_accepted, posterior
 from specmesh_router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
 from specmesh_router.stats import AcceptanceStats, StatsBackend, StatsKey
 
@@ -47,6 +58,7 @@ class SelectionConfig:
     max_k: int = 32  # draft tokens per step, at most
     min_gain: float = 0.02  # speculate only when goodput beats plain decoding by this fraction
     switch_margin: float = 0.05  # mid-request: another proposer must beat the current one by this much
+    min_served_steps: float = 64.0  # decayed steps of a proposer before its measured goodput ranks it
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,6 +133,42 @@ def best_k(
     return best
 
 
+def served_goodput(
+    served: Served,
+    step_time: StepTime,
+    batch: int,
+    wait_s: float,
+    config: SelectionConfig,
+    rng: random.Random | None,
+    total_evidence: float,
+) -> float:
+    """Tokens/s per row a proposer measurably delivered, at this batch: tokens per step over the
+    cost of a step of its mean width. Thompson draws the tokens per step around their mean with a
+    standard deviation of mean / √steps (accepted lengths are heavy-tailed: their spread is about
+    their mean); ucb adds c · mean · √(log N / steps); greedy takes the mean.
+
+    >>> from specmesh_router.cost_model import StepCost
+    >>> cpu = StepCost.by_tokens((1, 2, 4, 8), (0.06, 0.065, 0.07, 0.08))
+    >>> round(served_goodput(Served(3.0, 3.0, 500.0), cpu, 1, 0.0, SelectionConfig(exploration="greedy"), None, 0.0), 1)
+    42.9
+    """
+    tokens = served.tokens
+    if config.exploration == "thompson":
+        tokens *= 1.0 + (rng or random.Random(config.seed)).gauss(0.0, 1.0) / math.sqrt(served.steps)
+    elif config.exploration == "ucb":
+        tokens *= 1.0 + config.ucb_c * math.sqrt(math.log(1.0 + total_evidence) / served.steps)
+    return max(tokens, 0.0) / (step_time(batch, max(1, round(1 + served.nodes))) + wait_s)
+
+
+@dataclass(frozen=True)
+class _Scored:
+    proposer: str
+    k: int
+    goodput: float  # the α model's, at k
+    expected: float  # E(k)
+    rank: float  # what proposers are compared by: measured goodput where there is enough, else the model's
+
+
 def choose(
     posteriors: Sequence[Posterior],
     step_time: StepTime,
@@ -134,6 +182,8 @@ def choose(
 
     ``posteriors``: the candidates (one for a proposer fixed by the client or the policy).
     ``current``: the request's proposer mid-request; another must beat it by ``switch_margin``.
+    Proposers with ``served`` measurements are ranked by them (``served_goodput``); k, and whether
+    speculation pays at all, come from the α model of the proposer ranked first.
 
     >>> cfg = SelectionConfig(exploration="greedy")
     >>> from specmesh_router.cost_model import StepCost
@@ -159,14 +209,18 @@ def choose(
         trimmed = replace(post, a=post.a[:depth], b=post.b[:depth])
         alphas = draw_alphas(trimmed, config, rng, total) if depth else []
         k, g, e = best_k(alphas, step_time, batch, post.wait_s, post.coverage) if alphas else (0, 0.0, 0.0)
-        scored.append((g, post.proposer, k, e))
-    g, name, k, e = max(scored, key=lambda x: x[0])
-    if current is not None and current != name:
-        mine = next((x for x in scored if x[1] == current), None)
-        if mine is not None and mine[0] * (1 + config.switch_margin) >= g:
-            g, name, k, e = mine
+        rank = g
+        if k and post.served is not None:
+            rank = served_goodput(post.served, step_time, batch, post.wait_s, config, rng, total)
+        scored.append(_Scored(post.proposer, k, g, e, rank))
+    best = max(scored, key=lambda x: x.rank)
+    if current is not None and current != best.proposer:
+        mine = next((x for x in scored if x.proposer == current), None)
+        if mine is not None and mine.rank * (1 + config.switch_margin) >= best.rank:
+            best = mine
+    name, k, g = best.proposer, best.k, best.goodput
     if k and g > baseline * (1 + config.min_gain):
-        return Decision(name, k, g, baseline, e)
+        return Decision(name, k, g, baseline, best.expected)
     why = (
         f"speculation does not pay at batch {batch}: best {name} k={k} {g:.3g} tok/s per row vs {baseline:.3g} plain"
         if k
@@ -243,7 +297,9 @@ class Router:
             own = snap.get(StatsKey(self.model, p, workload_tag))
             pooled = snap.get(StatsKey(self.model, p, "")) if workload_tag else None
             cfg = self.config
-            out.append(posterior(p, own, pooled, cfg.prior_mean, cfg.prior_strength, depth, count_ends))
+            out.append(
+                posterior(p, own, pooled, cfg.prior_mean, cfg.prior_strength, depth, count_ends, cfg.min_served_steps)
+            )
         return out
 
     def decide(

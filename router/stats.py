@@ -58,6 +58,12 @@ class AcceptanceStats:
     hits: tuple[float, ...] = ()  # [d]: steps that accepted the draft token at depth d + 1
     trials: tuple[float, ...] = ()  # [d]: steps that decided a draft token at depth d + 1 (hit or miss)
     ends: tuple[float, ...] = ()  # [d]: steps whose path reached a leaf the proposer ended at depth d
+    # Every step a request spent on this proposer, whatever it had: a verified tree, none, or one
+    # the verifier's gate skipped. What the proposer delivered as it runs, gate and all: the router
+    # ranks proposers by it once there is enough (the per-depth sums above price a k it chooses).
+    served_steps: float = 0.0
+    served_tokens: float = 0.0  # tokens those steps emitted (accepted + bonus)
+    served_nodes: float = 0.0  # draft nodes those steps verified (what they paid for)
 
     @classmethod
     def of_step(
@@ -93,6 +99,9 @@ class AcceptanceStats:
             _add(self.hits, other.hits),
             _add(self.trials, other.trials),
             _add(self.ends, other.ends),
+            self.served_steps + other.served_steps,
+            self.served_tokens + other.served_tokens,
+            self.served_nodes + other.served_nodes,
         )
 
     def scaled(self, f: float) -> AcceptanceStats:
@@ -106,7 +115,16 @@ class AcceptanceStats:
             tuple(x * f for x in self.hits),
             tuple(x * f for x in self.trials),
             tuple(x * f for x in self.ends),
+            self.served_steps * f,
+            self.served_tokens * f,
+            self.served_nodes * f,
         )
+
+    @classmethod
+    def served(cls, tokens: int, nodes: int) -> AcceptanceStats:
+        """One step of a request on this proposer: ``tokens`` emitted, ``nodes`` draft nodes verified
+        (0 where the step had no tree, or one the gate skipped)."""
+        return cls(served_steps=1.0, served_tokens=float(tokens), served_nodes=float(nodes))
 
     @property
     def accepted_per_step(self) -> float:
@@ -139,6 +157,7 @@ class AcceptanceStats:
     def to_fields(self) -> dict[str, float]:
         """Flat field → value map (the Redis hash layout), non-zero entries only."""
         out = {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted, "proposer_s": self.proposer_s}
+        out.update(served_steps=self.served_steps, served_tokens=self.served_tokens, served_nodes=self.served_nodes)
         out.update({f"h{d}": v for d, v in enumerate(self.hits)})
         out.update({f"n{d}": v for d, v in enumerate(self.trials)})
         out.update({f"e{d}": v for d, v in enumerate(self.ends)})
@@ -148,7 +167,7 @@ class AcceptanceStats:
     def from_fields(cls, fields: dict[str, float | str]) -> AcceptanceStats:
         """Inverse of ``to_fields``; unknown fields are ignored.
 
-        >>> s = AcceptanceStats.of_step(4, 1, True, 0.002) + AcceptanceStats.no_tree()
+        >>> s = AcceptanceStats.of_step(4, 1, True, 0.002) + AcceptanceStats.no_tree() + AcceptanceStats.served(2, 4)
         >>> AcceptanceStats.from_fields({k: str(v) for k, v in s.to_fields().items()}) == s
         True
         """
@@ -156,7 +175,9 @@ class AcceptanceStats:
         trials: dict[int, float] = {}
         ends: dict[int, float] = {}
         per_depth = {"h": hits, "n": trials, "e": ends}
-        scalars = {"steps": 0.0, "drafted": 0.0, "accepted": 0.0, "proposer_s": 0.0}
+        scalars = dict.fromkeys(
+            ("steps", "drafted", "accepted", "proposer_s", "served_steps", "served_tokens", "served_nodes"), 0.0
+        )
         for name, raw in fields.items():
             if name in scalars:
                 scalars[name] = float(raw)

@@ -88,16 +88,21 @@ def test_admission_limit_raises_and_stop_strings_end_generation(chat_ids, engine
 
 def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_skipped_trees(lm, chat_ids, hf_greedy):
     """No cap and a poor prior (the router's "off"): the skipped n-gram trees keep guessing the
-    emitted tokens, so the request's own estimate rises and the cost gate verifies trees again."""
+    emitted tokens, so the request's own estimate rises and the cost gate verifies trees again.
+    The router is told every step the request spent on n-gram, as it went: what the tokens cost."""
     from specmesh_router.cost_model import LiveStepCost, StepCost
     from specmesh_router.estimate import RequestEstimate
+    from specmesh_router.policy import PolicyStore
+    from specmesh_router.selection import Router
+    from specmesh_router.stats import InProcessStats, StatsConfig, StatsKey
     from verifier_svc.local_proposer import LocalProposerSession
     from verifier_svc.proposer_client import ProposerLimits
 
     runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context=8192)
     # A CPU-like step cost: a 32-token step costs ~2.4x a plain one (the live steps refine it).
     cost = LiveStepCost(StepCost.by_tokens((1, 2, 4, 8, 16, 32, 64), (1.0, 1.6, 1.7, 1.8, 2.0, 2.4, 3.6)))
-    eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(), step_cost=cost)
+    router = Router(InProcessStats(StatsConfig(half_life_s=1e9)), "lm", ("ngram",), PolicyStore(("ngram",)), cost)
+    eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(), step_cost=cost, router=router)
     eng.start()
     try:
         ids = chat_ids(workload_prompts(per_category=8, max_chars=2000, categories=("code_edit",))[0])
@@ -115,6 +120,11 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
     spec = got.finish.spec
     assert spec.steps > 0 and spec.accepted > 0  # verified trees, and they paid
     assert got.finish.steps < 48, f"{got.finish.steps} steps for 64 tokens"  # well under one token per step
+    served = router.stats.snapshot()[StatsKey("lm", "ngram", "")]
+    assert served.served_steps == pytest.approx(got.finish.steps)  # every step, with a tree or not
+    # Accepted + a bonus per step (before the request's end cuts the last step's: what the step gave).
+    assert served.served_tokens == pytest.approx(got.finish.steps + spec.accepted) and served.served_tokens >= 63
+    assert served.served_nodes == pytest.approx(spec.drafted)  # verified nodes only, not skipped ones
 
 
 def test_packed_steps_verify_a_batch_of_ragged_trees_to_plain_greedy_computing_fewer_tokens(lm, chat_ids, hf_greedy):
