@@ -28,16 +28,18 @@ MAX_ALPHA = 0.99  # the gate never plans on certain acceptance
 @dataclass(frozen=True)
 class Served:
     """What a proposer's requests got per step, measured over every step they spent on it (a tree
-    verified, none, or one the gate skipped): tokens emitted and draft nodes verified.
+    verified, none, or one the gate skipped): tokens emitted, draft nodes verified, and what the
+    step cost the request.
 
-    >>> Served.of(AcceptanceStats.served(3, 6) + AcceptanceStats.served(1, 0), min_steps=2)
-    Served(tokens=2.0, nodes=3.0, steps=2.0)
-    >>> Served.of(AcceptanceStats.served(3, 6), min_steps=2) is None    # too little to go by
+    >>> Served.of(AcceptanceStats.served(3, 6, 0.08) + AcceptanceStats.served(1, 0, 0.06), min_steps=2)
+    Served(tokens=2.0, nodes=3.0, seconds=0.07, steps=2.0)
+    >>> Served.of(AcceptanceStats.served(3, 6, 0.08), min_steps=2) is None    # too little to go by
     True
     """
 
     tokens: float
     nodes: float
+    seconds: float
     steps: float  # decayed steps behind the means
 
     @classmethod
@@ -45,7 +47,7 @@ class Served:
         if stats is None or stats.served_steps < min_steps or stats.served_steps <= 0:
             return None
         n = stats.served_steps
-        return cls(stats.served_tokens / n, stats.served_nodes / n, n)
+        return cls(stats.served_tokens / n, stats.served_nodes / n, stats.served_s / n, n)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,12 @@ Which proposer: the goodput above prices k, but ranks proposers only until each 
 enough steps (``min_served_steps``, decayed). From then on a proposer is ranked by what it
 measurably delivered per step, every step its requests spent on it counted, gate and all:
 
-    served(p) = tokens_p / (step_time(B, 1 + nodes_p) + wait_p)
+    served(p) = Σ tokens / Σ (step_time(B_s, 1 + nodes_s) + wait_s)
 
-tokens_p, nodes_p: tokens emitted and draft nodes verified per step. The α chain is a model of
+over the steps s of p's requests (decayed sums): tokens emitted, nodes verified, B_s rows in the
+step, wait_s the verifier's wait for trees; each step priced at the cost model's step of its own
+width (what the gate prices it by), not the mean width's (the cost is far from linear in width,
+and the mean of a mixture of plain steps and 12-node trees costs neither). The α chain is a model of
 chains; a proposer of wide trees sized by its own probabilities (suffix) is not one, and the
 model can rank it below a proposer it beats in every category. A proposer whose evidence decays
 below the threshold (unused for a few half-lives) is ranked by the model again, so it is retried.
@@ -133,23 +136,13 @@ def best_k(
     return best
 
 
-def served_goodput(
-    served: Served,
-    step_time: StepTime,
-    batch: int,
-    wait_s: float,
-    config: SelectionConfig,
-    rng: random.Random | None,
-    total_evidence: float,
-) -> float:
-    """Tokens/s per row a proposer measurably delivered, at this batch: tokens per step over the
-    cost of a step of its mean width. Thompson draws the tokens per step around their mean with a
-    standard deviation of mean / √steps (accepted lengths are heavy-tailed: their spread is about
-    their mean); ucb adds c · mean · √(log N / steps); greedy takes the mean.
+def served_goodput(served: Served, config: SelectionConfig, rng: random.Random | None, total_evidence: float) -> float:
+    """Tokens/s per row a proposer measurably delivered: tokens per step over seconds per step.
+    Thompson draws the tokens per step around their mean with a standard deviation of mean / √steps
+    (accepted lengths are heavy-tailed: their spread is about their mean); ucb adds
+    c · mean · √(log N / steps); greedy takes the mean.
 
-    >>> from specmesh_router.cost_model import StepCost
-    >>> cpu = StepCost.by_tokens((1, 2, 4, 8), (0.06, 0.065, 0.07, 0.08))
-    >>> round(served_goodput(Served(3.0, 3.0, 500.0), cpu, 1, 0.0, SelectionConfig(exploration="greedy"), None, 0.0), 1)
+    >>> round(served_goodput(Served(3.0, 3.0, 0.07, 500.0), SelectionConfig(exploration="greedy"), None, 0.0), 1)
     42.9
     """
     tokens = served.tokens
@@ -157,7 +150,7 @@ def served_goodput(
         tokens *= 1.0 + (rng or random.Random(config.seed)).gauss(0.0, 1.0) / math.sqrt(served.steps)
     elif config.exploration == "ucb":
         tokens *= 1.0 + config.ucb_c * math.sqrt(math.log(1.0 + total_evidence) / served.steps)
-    return max(tokens, 0.0) / (step_time(batch, max(1, round(1 + served.nodes))) + wait_s)
+    return max(tokens, 0.0) / served.seconds if served.seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -211,7 +204,7 @@ def choose(
         k, g, e = best_k(alphas, step_time, batch, post.wait_s, post.coverage) if alphas else (0, 0.0, 0.0)
         rank = g
         if k and post.served is not None:
-            rank = served_goodput(post.served, step_time, batch, post.wait_s, config, rng, total)
+            rank = served_goodput(post.served, config, rng, total)
         scored.append(_Scored(post.proposer, k, g, e, rank))
     best = max(scored, key=lambda x: x.rank)
     if current is not None and current != best.proposer:

@@ -63,7 +63,8 @@ class AcceptanceStats:
     # ranks proposers by it once there is enough (the per-depth sums above price a k it chooses).
     served_steps: float = 0.0
     served_tokens: float = 0.0  # tokens those steps emitted (accepted + bonus)
-    served_nodes: float = 0.0  # draft nodes those steps verified (what they paid for)
+    served_nodes: float = 0.0  # draft nodes those steps verified
+    served_s: float = 0.0  # what those steps cost a row: step_time(rows, 1 + its nodes) + the proposer wait
 
     @classmethod
     def of_step(
@@ -102,6 +103,7 @@ class AcceptanceStats:
             self.served_steps + other.served_steps,
             self.served_tokens + other.served_tokens,
             self.served_nodes + other.served_nodes,
+            self.served_s + other.served_s,
         )
 
     def scaled(self, f: float) -> AcceptanceStats:
@@ -118,13 +120,14 @@ class AcceptanceStats:
             self.served_steps * f,
             self.served_tokens * f,
             self.served_nodes * f,
+            self.served_s * f,
         )
 
     @classmethod
-    def served(cls, tokens: int, nodes: int) -> AcceptanceStats:
+    def served(cls, tokens: int, nodes: int, seconds: float) -> AcceptanceStats:
         """One step of a request on this proposer: ``tokens`` emitted, ``nodes`` draft nodes verified
-        (0 where the step had no tree, or one the gate skipped)."""
-        return cls(served_steps=1.0, served_tokens=float(tokens), served_nodes=float(nodes))
+        (0 where the step had no tree, or one the gate skipped), costing the request ``seconds``."""
+        return cls(served_steps=1.0, served_tokens=float(tokens), served_nodes=float(nodes), served_s=seconds)
 
     @property
     def accepted_per_step(self) -> float:
@@ -158,6 +161,7 @@ class AcceptanceStats:
         """Flat field → value map (the Redis hash layout), non-zero entries only."""
         out = {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted, "proposer_s": self.proposer_s}
         out.update(served_steps=self.served_steps, served_tokens=self.served_tokens, served_nodes=self.served_nodes)
+        out.update(served_s=self.served_s)
         out.update({f"h{d}": v for d, v in enumerate(self.hits)})
         out.update({f"n{d}": v for d, v in enumerate(self.trials)})
         out.update({f"e{d}": v for d, v in enumerate(self.ends)})
@@ -167,7 +171,8 @@ class AcceptanceStats:
     def from_fields(cls, fields: dict[str, float | str]) -> AcceptanceStats:
         """Inverse of ``to_fields``; unknown fields are ignored.
 
-        >>> s = AcceptanceStats.of_step(4, 1, True, 0.002) + AcceptanceStats.no_tree() + AcceptanceStats.served(2, 4)
+        >>> s = AcceptanceStats.of_step(4, 1, True, 0.002) + AcceptanceStats.no_tree()
+        >>> s += AcceptanceStats.served(2, 4, 0.07)
         >>> AcceptanceStats.from_fields({k: str(v) for k, v in s.to_fields().items()}) == s
         True
         """
@@ -176,7 +181,8 @@ class AcceptanceStats:
         ends: dict[int, float] = {}
         per_depth = {"h": hits, "n": trials, "e": ends}
         scalars = dict.fromkeys(
-            ("steps", "drafted", "accepted", "proposer_s", "served_steps", "served_tokens", "served_nodes"), 0.0
+            ("steps", "drafted", "accepted", "proposer_s", "served_steps", "served_tokens", "served_nodes", "served_s"),
+            0.0,
         )
         for name, raw in fields.items():
             if name in scalars:

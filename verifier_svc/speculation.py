@@ -364,8 +364,9 @@ class SpeculationControl:
                 spec.estimate.observe_no_tree()
                 add(samples, (spec.counters.proposer, tag), AcceptanceStats.no_tree())
             emitted = [tree.tokens[k] for k in path] + [bonus]
-            if spec.session is not None or len(tree):  # the step as the proposer's requests get it
-                add(samples, (spec.counters.proposer, tag), AcceptanceStats.served(len(emitted), len(tree)))
+            if self.router is not None and (spec.session is not None or len(tree)):  # the step as the request got it
+                cost = self.router.step_time(len(seqs), 1 + len(tree)) + self.last_wait
+                add(samples, (spec.counters.proposer, tag), AcceptanceStats.served(len(emitted), len(tree), cost))
             if spec.shadow is not None and not len(tree):
                 shadow = spec.follow_shadow(emitted)
                 if shadow is not None:

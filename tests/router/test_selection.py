@@ -236,14 +236,17 @@ def test_mid_request_a_proposer_takes_over_only_where_it_beats_the_current_on_av
 
 def served_stream(router: Router, clock, steps: int) -> None:
     """Two proposers as the suffix/n-gram pair measured on the Xeon: 'ngram' drafts deep chains the
-    α model prices well (α 0.7 over 8 tokens) yet delivers 2.0 tokens per step; 'suffix' drafts
-    trees its α chain prices worse (0.5 at depth 1, ending at 3) yet delivers 2.6 per step on fewer
-    nodes (what a step of each was, all steps counted, gate and all)."""
+    α model prices well (α 0.7 over 8 tokens) yet its steps deliver 2 tokens for an 8-node tree;
+    'suffix' has a tree half the time, which its α chain prices worse (a miss at depth 2), yet it
+    delivers 4 tokens for those 6 nodes and a plain step's token otherwise (what the steps gave)."""
     rng = random.Random(3)
     for _ in range(steps):
-        router.record("ngram", "qa", scripted_step(rng, 0.7, 8) + AcceptanceStats.served(2, 8))
-        shallow = AcceptanceStats.of_step(3, 1, rejected=True) if rng.random() < 0.5 else AcceptanceStats.no_tree()
-        router.record("suffix", "qa", shallow + AcceptanceStats.served(3 if rng.random() < 0.6 else 2, 6))
+        router.record("ngram", "qa", scripted_step(rng, 0.7, 8) + AcceptanceStats.served(2, 8, CPU(1, 9)))
+        if rng.random() < 0.5:
+            sample = AcceptanceStats.of_step(6, 1, rejected=True) + AcceptanceStats.served(4, 6, CPU(1, 7))
+        else:
+            sample = AcceptanceStats.no_tree() + AcceptanceStats.served(1, 0, CPU(1, 1))
+        router.record("suffix", "qa", sample)
         clock.advance(0.1)
 
 
