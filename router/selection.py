@@ -19,12 +19,12 @@ Which proposer: the goodput above prices k, but ranks proposers only until each 
 enough steps (``min_served_steps``, decayed). From then on a proposer is ranked by what it
 measurably delivered per step, every step its requests spent on it counted, gate and all:
 
-    served(p) = Σ tokens / Σ (step_time(B_s, 1 + nodes_s) + wait_s)
+    served(p) = Σ tokens / Σ (seconds_s + wait_s)
 
-over the steps s of p's requests (decayed sums): tokens emitted, nodes verified, B_s rows in the
-step, wait_s the verifier's wait for trees; each step priced at the cost model's step of its own
-width (what the gate prices it by), not the mean width's (the cost is far from linear in width,
-and the mean of a mixture of plain steps and 12-node trees costs neither). The α chain is a model of
+over the steps s of p's requests (decayed sums): tokens emitted; the step's measured time (the
+forward and acceptance) and the verifier's wait for trees. Measured, not priced by the cost
+model: a step's cost is far from linear in its width, and a start-up table off by a few
+milliseconds at one width moves a ranking between proposers a tenth apart. The α chain is a model of
 chains; a proposer of wide trees sized by its own probabilities (suffix) is not one, and the
 model can rank it below a proposer it beats in every category. A proposer whose evidence decays
 below the threshold (unused for a few half-lives) is ranked by the model again, so it is retried.

@@ -64,7 +64,7 @@ class AcceptanceStats:
     served_steps: float = 0.0
     served_tokens: float = 0.0  # tokens those steps emitted (accepted + bonus)
     served_nodes: float = 0.0  # draft nodes those steps verified
-    served_s: float = 0.0  # what those steps cost a row: step_time(rows, 1 + its nodes) + the proposer wait
+    served_s: float = 0.0  # what those steps took, as measured: the forward with acceptance + the wait for trees
 
     @classmethod
     def of_step(
@@ -128,6 +128,19 @@ class AcceptanceStats:
         """One step of a request on this proposer: ``tokens`` emitted, ``nodes`` draft nodes verified
         (0 where the step had no tree, or one the gate skipped), costing the request ``seconds``."""
         return cls(served_steps=1.0, served_tokens=float(tokens), served_nodes=float(nodes), served_s=seconds)
+
+    @property
+    def served_tokens_per_step(self) -> float:
+        return self.served_tokens / self.served_steps if self.served_steps else 0.0
+
+    @property
+    def served_tokens_per_s(self) -> float:
+        """Tokens per second per row the proposer's requests got (0 with no evidence).
+
+        >>> round((AcceptanceStats.served(3, 6, 0.08) + AcceptanceStats.served(1, 0, 0.06)).served_tokens_per_s, 2)
+        28.57
+        """
+        return self.served_tokens / self.served_s if self.served_s else 0.0
 
     @property
     def accepted_per_step(self) -> float:

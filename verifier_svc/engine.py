@@ -393,7 +393,7 @@ class Engine:
         self.stats.steps += 1
         if self.metrics is not None:
             self.metrics.step("decode", elapsed, computed, len(seqs))
-        emitted = self.speculation.after_step(seqs, trees, results)
+        emitted = self.speculation.after_step(seqs, trees, results, elapsed)
         # Emitted token j was predicted at its parent's row (as in ``drawn``): the pending token's
         # state for the first, accepted node path[j - 1]'s for the rest.
         states = self._states(hidden, seqs, lambda i: [starts[i], *(starts[i] + 1 + k for k in results[i][0])])

@@ -335,10 +335,11 @@ class SpeculationControl:
 
     # --- after the forward ------------------------------------------------------------------
     def after_step(
-        self, seqs: list[Sequence], trees: list[TokenTree], results: list[tuple[list[int], int]]
+        self, seqs: list[Sequence], trees: list[TokenTree], results: list[tuple[list[int], int]], seconds: float
     ) -> list[list[int]]:
         """Count and learn from what each request accepted; returns each request's emitted tokens
-        (accepted nodes + bonus). Records the step's acceptance once per (proposer, tag)."""
+        (accepted nodes + bonus). Records the step's acceptance once per (proposer, tag), and what
+        the step gave each request for ``seconds`` (the forward and acceptance) + the wait for trees."""
         samples: dict[tuple[str, str], AcceptanceStats] = {}  # per (proposer, tag): one record per step
         verified: dict[str, AcceptanceStats] = {}
 
@@ -364,9 +365,9 @@ class SpeculationControl:
                 spec.estimate.observe_no_tree()
                 add(samples, (spec.counters.proposer, tag), AcceptanceStats.no_tree())
             emitted = [tree.tokens[k] for k in path] + [bonus]
-            if self.router is not None and (spec.session is not None or len(tree)):  # the step as the request got it
-                cost = self.router.step_time(len(seqs), 1 + len(tree)) + self.last_wait
-                add(samples, (spec.counters.proposer, tag), AcceptanceStats.served(len(emitted), len(tree), cost))
+            if spec.session is not None or len(tree):  # the step as the request got it
+                served = AcceptanceStats.served(len(emitted), len(tree), seconds + self.last_wait)
+                add(samples, (spec.counters.proposer, tag), served)
             if spec.shadow is not None and not len(tree):
                 shadow = spec.follow_shadow(emitted)
                 if shadow is not None:

@@ -125,7 +125,7 @@ class GetRouterStatsRequest(_message.Message):
     def __init__(self, proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("model", "proposer", "workload_tag", "steps", "drafted_tokens", "accepted_tokens", "accepted_per_step", "drafted_per_step", "proposer_wait_ms_per_step", "position_trials", "position_accepted", "position_ends", "coverage")
+    __slots__ = ("model", "proposer", "workload_tag", "steps", "drafted_tokens", "accepted_tokens", "accepted_per_step", "drafted_per_step", "proposer_wait_ms_per_step", "position_trials", "position_accepted", "position_ends", "coverage", "served_steps", "served_tokens_per_step", "served_tokens_per_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_TAG_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,9 @@ class RouterStats(_message.Message):
     POSITION_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     POSITION_ENDS_FIELD_NUMBER: _ClassVar[int]
     COVERAGE_FIELD_NUMBER: _ClassVar[int]
+    SERVED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     proposer: str
     workload_tag: str
@@ -152,7 +155,10 @@ class RouterStats(_message.Message):
     position_accepted: _containers.RepeatedScalarFieldContainer[float]
     position_ends: _containers.RepeatedScalarFieldContainer[float]
     coverage: float
-    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., steps: _Optional[float] = ..., drafted_tokens: _Optional[float] = ..., accepted_tokens: _Optional[float] = ..., accepted_per_step: _Optional[float] = ..., drafted_per_step: _Optional[float] = ..., proposer_wait_ms_per_step: _Optional[float] = ..., position_trials: _Optional[_Iterable[float]] = ..., position_accepted: _Optional[_Iterable[float]] = ..., position_ends: _Optional[_Iterable[float]] = ..., coverage: _Optional[float] = ...) -> None: ...
+    served_steps: float
+    served_tokens_per_step: float
+    served_tokens_per_s: float
+    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., steps: _Optional[float] = ..., drafted_tokens: _Optional[float] = ..., accepted_tokens: _Optional[float] = ..., accepted_per_step: _Optional[float] = ..., drafted_per_step: _Optional[float] = ..., proposer_wait_ms_per_step: _Optional[float] = ..., position_trials: _Optional[_Iterable[float]] = ..., position_accepted: _Optional[_Iterable[float]] = ..., position_ends: _Optional[_Iterable[float]] = ..., coverage: _Optional[float] = ..., served_steps: _Optional[float] = ..., served_tokens_per_step: _Optional[float] = ..., served_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class GetRouterStatsResponse(_message.Message):
     __slots__ = ("backend", "connected", "detail", "half_life_s", "stats")

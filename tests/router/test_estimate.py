@@ -154,7 +154,7 @@ def test_the_verifier_records_where_the_proposer_ended_its_tree_not_where_the_bu
     def step(tree: TokenTree, accepted: list[int], k_cap: int | None = None) -> None:
         seq.spec.k_cap, session.next = k_cap, tree
         trees = control.collect_trees([seq], max_context=1000)
-        control.after_step([seq], trees, [(accepted, 0)])
+        control.after_step([seq], trees, [(accepted, 0)], 0.06)
 
     step(TokenTree([5, 6], [-1, 0]), [0, 1])  # its own 2-level chain, accepted to the end: an end at 2
     step(TokenTree([5, 6, 7], [-1, 0, 1]), [0, 1, 2])  # as deep as the budget: censored
@@ -191,9 +191,9 @@ def test_trees_with_path_probabilities_escape_the_routers_k_and_a_tree_the_gate_
     guess = TokenTree([5, 6], [-1, 0], probs=[0.05, 0.01])
     verified = take(guess)
     assert not len(verified) and seq.spec.gated_out
-    control.after_step([seq], [verified], [([], 5)])  # the guess was right (5): only Trust hears it
+    control.after_step([seq], [verified], [([], 5)], 0.06)  # the guess was right (5): only Trust hears it
     session.next = None  # the next step has no tree (the proposer is late): the walk goes on
-    control.after_step([seq], control.collect_trees([seq], max_context=1000), [([], 6)])
+    control.after_step([seq], control.collect_trees([seq], max_context=1000), [([], 6)], 0.06)
     stats = router.stats.snapshot()[StatsKey(MODEL, "draft", "chat")]
     assert stats.trials == () and stats.ends == (1.0,)  # one step without a tree, no miss, no hit
     assert seq.spec.estimate.seen.ends == (1.0,) and seq.spec.estimate.seen.trials == ()

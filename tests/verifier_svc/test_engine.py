@@ -112,8 +112,10 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
         spec = SpecRequest("ngram", 0, 0, "", "")
         req = GenerationRequest("r", ids, max_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(),
                                 ignore_eos=True, spec=spec)  # fmt: skip
+        t0 = time.perf_counter()
         eng.submit(req, got, session, k_cap=None, estimate=RequestEstimate((0.05,)))
         assert got.done.wait(300)
+        elapsed = time.perf_counter() - t0
     finally:
         eng.shutdown()
     assert_greedy_equal(lm, ids, got.tokens, hf_greedy(ids, 64))
@@ -125,8 +127,7 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
     # Accepted + a bonus per step (before the request's end cuts the last step's: what the step gave).
     assert served.served_tokens == pytest.approx(got.finish.steps + spec.accepted) and served.served_tokens >= 63
     assert served.served_nodes == pytest.approx(spec.drafted)  # verified nodes only, not skipped ones
-    # Each step priced by the cost model (which only learns down here, from a table in 1.0-units).
-    assert served.served_s >= 0.5 * got.finish.steps * cost(1, 1)
+    assert 0 < served.served_s < elapsed  # the steps' measured time, within the request's
 
 
 def test_packed_steps_verify_a_batch_of_ragged_trees_to_plain_greedy_computing_fewer_tokens(lm, chat_ids, hf_greedy):

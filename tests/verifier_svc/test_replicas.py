@@ -133,6 +133,7 @@ def test_each_verifier_sees_the_statistics_the_other_recorded_in_redis(cluster, 
         resp = client.router_stats("ngram", "only-a")
     assert resp.backend == "redis" and resp.connected
     assert rows[0].drafted_tokens > 0
+    assert rows[0].served_steps > 0 and rows[0].served_tokens_per_step >= 1 and rows[0].served_tokens_per_s > 0
 
 
 def test_killing_an_ngram_replica_mid_run_loses_no_request(cluster, lm, chat_ids, hf_greedy):
