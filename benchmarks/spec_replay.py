@@ -121,13 +121,14 @@ class Replay:
         return self.tokens / self.seconds  # plain decoding: one token per plain step
 
 
-def replay(prop: Replayed, output: list[int], pooled: Pooled, name: str, cost: StepCost) -> Replay:
+def replay(prop: Replayed, output: list[int], pooled: Pooled, name: str, cost: StepCost, prefill: float) -> Replay:
     """Decode ``output`` again with ``prop``'s trees cut by the width gate (as the verifier's
-    ``SpeculationControl`` does at one stream); ``pooled`` gains every step's sample."""
+    ``SpeculationControl`` does at one stream), after a prefill of ``prefill`` plain steps;
+    ``pooled`` gains every step's sample."""
     limits = ProposerLimits(vocab_size=1 << 20, max_nodes=NODES, max_depth=DEPTH)
     prior = posterior(name, pooled.stats, None, 0.5, 2.0, DEPTH, count_ends=False)
     state = SpecState(estimate=RequestEstimate.from_posterior(prior))
-    out, pos = Replay(tokens=len(output)), 0
+    out, pos = Replay(seconds=prefill, tokens=len(output)), 0
     while pos < len(output):
         offered = prop.propose()
         complete = ended_by_proposer(offered, limits)
@@ -165,13 +166,15 @@ def replay(prop: Replayed, output: list[int], pooled: Pooled, name: str, cost: S
 def run_mode(
     name: str,
     make: Callable[[list[int], str], Replayed],
-    measured: list[tuple[BenchPrompt, list[int]]],
+    measured: list[tuple[BenchPrompt, Recorded]],
     cost: StepCost,
+    with_prefill: bool,
 ) -> dict[str, tuple[str, Replay]]:
     """Every measured prompt in order, the proposer's pooled statistics carried from one to the next."""
     pooled, out = Pooled(), {}
-    for prompt, output in measured:
-        r = replay(make(list(prompt.token_ids), "measured"), output, pooled, name, cost)
+    for prompt, rec in measured:
+        prefill = rec.prefill_steps if with_prefill else 0.0
+        r = replay(make(list(prompt.token_ids), "measured"), rec.token_ids, pooled, name, cost, prefill)
         group = prompt.category if prompt.turn == 1 else f"{prompt.category} turn {prompt.turn}"
         out[prompt.row_id] = (group, r)
     return out
@@ -186,17 +189,29 @@ def geo_mean_of_medians(per_group: dict[str, list[float]]) -> float:
     return geomean([statistics.median(v) for v in per_group.values()])
 
 
-def outputs_of(path: Path) -> dict[str, tuple[list[int], str]]:
-    """row id → (token ids, text) of plain decoding in a bench's records (1 stream preferred)."""
-    found: dict[str, tuple[int, list[int], str]] = {}
+@dataclass(frozen=True)
+class Recorded:
+    """One prompt's plain decoding as a bench recorded it."""
+
+    concurrency: int
+    token_ids: list[int]
+    text: str
+    prefill_steps: float  # time to first token over the median inter-token latency
+
+
+def outputs_of(path: Path) -> dict[str, Recorded]:
+    """row id → plain decoding in a bench's records (1 stream preferred)."""
+    found: dict[str, Recorded] = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
         if r["mode"] != "plain":
             continue
         old = found.get(r["row_id"])
-        if old is None or (r["concurrency"] == 1 and old[0] != 1):
-            found[r["row_id"]] = (r["concurrency"], r["token_ids"], r["text"])
-    return {k: (ids, text) for k, (_, ids, text) in found.items()}
+        if old is None or (r["concurrency"] == 1 and old.concurrency != 1):
+            itl = statistics.median(r["itl_ms"]) if r.get("itl_ms") else 0.0
+            prefill = r["ttft_ms"] / itl if itl and r.get("ttft_ms") else 0.0
+            found[r["row_id"]] = Recorded(r["concurrency"], r["token_ids"], r["text"], prefill)
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,6 +234,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--held-out", action="store_true", help="cache the warm-up half's even rows, measure its odd rows")
     p.add_argument("--widths", default=WIDTHS, help="step widths of the cost table")
     p.add_argument("--cost", default=COST, help="their cost relative to width 1 (the verifier logs its table)")
+    p.add_argument(
+        "--prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="charge each request its recorded time to first token (as the bench's tokens/s does)",
+    )
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -230,24 +251,26 @@ def main(argv: list[str] | None = None) -> None:
     warm_out = outputs_of(a.warmup_records)
     warm = [w for w in load_prompts(a.warmup_workload, None, None, encoder.user) if w.row_id in warm_out]
     if a.held_out:
-        cached = [(w, warm_out[w.row_id][0]) for w in warm[::2]]
-        measured = [(w, warm_out[w.row_id][0]) for w in warm[1::2]]
+        cached = [(w, warm_out[w.row_id].token_ids) for w in warm[::2]]
+        measured = [(w, warm_out[w.row_id]) for w in warm[1::2]]
     else:
         out = outputs_of(a.records)
         first = load_prompts(a.workload, None, a.limit, encoder.user)
-        answers = {q.row_id: out[q.row_id][1] for q in first if q.row_id in out}
+        answers = {q.row_id: out[q.row_id].text for q in first if q.row_id in out}
         prompts = first + second_turns(first, answers, encoder.chat)
-        measured = [(q, out[q.row_id][0]) for q in prompts if q.row_id in out]
-        cached = [(w, warm_out[w.row_id][0]) for w in warm]
+        measured = [(q, out[q.row_id]) for q in prompts if q.row_id in out]
+        cached = [(w, warm_out[w.row_id].token_ids) for w in warm]
 
     cache = SuffixCache(SuffixConfig(), background=False)
     for w, ids in cached:  # what the warm-up's requests leave in the cache: their outputs
         cache.learn("measured", list(w.token_ids), ids)
     runs = {
-        "ngram": run_mode("ngram", lambda ctx, scope: NgramReplay(ctx), measured, cost),
-        "suffix": run_mode("suffix", lambda ctx, scope: SuffixReplay(ctx, cache, scope), measured, cost),
+        "ngram": run_mode("ngram", lambda ctx, scope: NgramReplay(ctx), measured, cost, a.prefill),
+        "suffix": run_mode("suffix", lambda ctx, scope: SuffixReplay(ctx, cache, scope), measured, cost, a.prefill),
     }
+    prefill = "prefill as recorded" if a.prefill else "decode only"
     print(f"# spec_replay: {len(measured)} prompts, {len(cached)} cached outputs; cost {a.widths} = {a.cost}")
+    print(f"# {prefill}")
     print("| mode | speed-up (modelled) | tokens/step | drafted | accepted |")
     print("|---|---|---|---|---|")
     for name, res in runs.items():

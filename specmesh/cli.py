@@ -79,9 +79,8 @@ def _serve(argv: list[str]) -> None:
     service, rest = argv[0], argv[1:]
     if service not in SERVICES:
         sys.exit(f"specmesh serve: unknown service {service!r} (known: {', '.join(SERVICES)})")
-    # Sleeping (not spinning) OpenMP workers leave the gRPC and engine threads a core on small
-    # machines: measured 9.5 → 10.9 tok/s single-stream on 2 cores. Must be set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP's wait policy stays the default (spin briefly, then sleep): with the model loaded and
+    # stepped on one thread (``TorchThread``) a forced PASSIVE made each 2-core decode step 25% slower.
     extras.run_main(f"serve {service}", SERVICES[service], rest)
 
 

@@ -18,6 +18,7 @@ step is retried request by request, and only those whose own step fails get the 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -25,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,7 @@ import torch
 from specmesh.server import hidden as hidden_states
 from specmesh.server.attention import Packing
 from specmesh.server.model_runner import ModelRunner
+from specmesh.server.torch_thread import TorchThread
 from specmesh.v1 import proposer_pb2
 from specmesh_router.cost_model import LiveStepCost
 from verifier_svc import admission
@@ -72,6 +75,11 @@ class EngineConfig:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
 
+def _log_failure(loop: Future[None]) -> None:
+    if not loop.cancelled() and loop.exception() is not None:
+        log.error("engine loop ended", exc_info=loop.exception())
+
+
 class Engine:
     def __init__(
         self,
@@ -86,11 +94,14 @@ class Engine:
         open_session: SessionFactory | None = None,
         trees_arrived: threading.Condition | None = None,
         learn: OutputHook | None = None,
+        thread: TorchThread | None = None,
     ) -> None:
         """``step_cost``: None verifies every tree, else trees are cut where they do not pay.
         ``open_session``: opens a proposer stream when the router switches a request's proposer.
         ``trees_arrived``: the condition proposer sessions notify when a tree lands.
-        ``learn``: told every finished request's output (``learning.OutputLearning.finished``)."""
+        ``learn``: told every finished request's output (``learning.OutputLearning.finished``).
+        ``thread``: where the engine loop runs: the thread that loaded ``runner``'s model, so the
+        process has one OpenMP team (``specmesh.server.torch_thread``); default a new one."""
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.metrics, self.learn = metrics, learn
         self.eos_token_ids = eos_token_ids
@@ -116,7 +127,9 @@ class Engine:
             metrics,
             open_session,
         )
-        self._thread = threading.Thread(target=self._loop, name="specmesh-engine", daemon=True)
+        self._own_thread = thread is None
+        self._thread = thread or TorchThread("specmesh-engine")
+        self._running_loop: Future[None] | None = None
 
     @property
     def packed(self) -> bool:
@@ -125,7 +138,8 @@ class Engine:
 
     # --- public, any thread ---------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        self._running_loop = self._thread.submit(self._loop)
+        self._running_loop.add_done_callback(_log_failure)
 
     def submit(
         self,
@@ -195,7 +209,11 @@ class Engine:
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.put(("wake", None))
-        self._thread.join(timeout=10)
+        if self._running_loop is not None:
+            with contextlib.suppress(Exception):  # a loop that failed was logged as it ended
+                self._running_loop.result(timeout=10)
+        if self._own_thread:
+            self._thread.close()
 
     # --- engine thread --------------------------------------------------------------------
     def _loop(self) -> None:

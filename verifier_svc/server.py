@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -21,6 +22,7 @@ from specmesh.server.auth import TokenAuth
 from specmesh.server.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
 from specmesh.server.model_loading import tokenizer_hash
 from specmesh.server.serving import new_server, serve, start_port
+from specmesh.server.torch_thread import TorchThread
 from specmesh.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -50,6 +52,10 @@ from verifier_svc.requests import (
 )
 from verifier_svc.sessions import ProposerTiers, SessionOpener
 from verifier_svc.speculation import cap_of
+
+if TYPE_CHECKING:
+    from specmesh.server.model_loading import LoadedModel
+    from specmesh.server.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +339,20 @@ def eos_token_ids(model: object, tokenizer: object) -> set[int]:
     return ids
 
 
-async def run(config: VerifierConfig) -> None:
+@dataclasses.dataclass(frozen=True)
+class LoadedTarget:
+    """The target model as the engine serves it, built on the engine's thread (``load_target``)."""
+
+    lm: LoadedModel
+    runner: ModelRunner
+    max_context: int
+    kv_tokens: int  # KV cache positions the budget holds
+    step_cost: LiveStepCost | None  # None: no proposers, or --spec-gating always
+
+
+def load_target(config: VerifierConfig) -> LoadedTarget:
+    """Load the model, pack its linears and measure its step cost. Runs on the thread that will
+    run the engine: a second thread opening OpenMP regions would slow every step (``TorchThread``)."""
     import torch
 
     from specmesh.server.kv_cache import default_budget_bytes
@@ -377,6 +396,14 @@ async def run(config: VerifierConfig) -> None:
             f"{table.seconds[0][0] * 1e3:.1f} ms) {widths}; measured in {time.perf_counter() - t1:.1f} s",
             flush=True,
         )
+    return LoadedTarget(lm, runner, max_context, kv_tokens, step_cost)
+
+
+async def run(config: VerifierConfig) -> None:
+    torch_thread = TorchThread("specmesh-engine")  # loads the model, then runs the engine loop
+    target = await torch_thread.run(load_target, config)
+    lm, runner, max_context, step_cost = target.lm, target.runner, target.max_context, target.step_cost
+    kv_tokens = target.kv_tokens
     names = tuple(name for name, _ in config.proposers)
     step_room = 1 + RequestLimits.max_tree_nodes  # one verification step: the pending token and a full tree
     limits = RequestLimits(
@@ -429,6 +456,7 @@ async def run(config: VerifierConfig) -> None:
         open_session=sessions.open,
         trees_arrived=arrived,
         learn=learning.finished if learning is not None else None,
+        thread=torch_thread,
     )
     metrics.track_queue(engine.counts)
     metrics.track_kv_cache(lambda: runner.cache.allocated_bytes, kv_tokens * runner.cache.bytes_per_token)

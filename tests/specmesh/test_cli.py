@@ -12,11 +12,6 @@ from specmesh import cli
 from specmesh.deploy import HEAD_TRAIN_WAIT_S, DeploymentConfig, LocalDeployment
 
 
-@pytest.fixture(autouse=True)
-def _restore_omp_wait_policy(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # `specmesh serve` sets it: undone after each test
-
-
 def help_defaults(text: str) -> dict[str, str]:
     """``--flag`` → its ``(default: …)`` in an argparse help text."""
     out = {}

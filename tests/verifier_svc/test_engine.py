@@ -8,6 +8,7 @@ import pytest
 from support import assert_greedy_equal, workload_prompts
 
 from specmesh.server.model_runner import ModelRunner
+from specmesh.server.torch_thread import TorchThread
 from verifier_svc.engine import Engine, EngineConfig
 from verifier_svc.events import EngineFull, ErrorEvent, FinishEvent, TokenEvent
 from verifier_svc.requests import GenerationRequest, SpecRequest
@@ -70,6 +71,23 @@ def test_cancel_mid_stream_frees_the_slot_and_others_are_unaffected(lm, chat_ids
     for i, c in enumerate(others):
         assert_greedy_equal(lm, ids[i + 1], c.tokens, hf_greedy(ids[i + 1], 24))
     assert eng.stats.cancelled == 1 and eng.in_flight() == 0
+
+
+def test_the_engine_steps_on_the_thread_it_is_given_and_leaves_it_running_at_shutdown(lm, chat_ids, hf_greedy):
+    # The verifier loads its model on this thread, then hands it to the engine: one OpenMP team.
+    thread = TorchThread("specmesh-test-engine")
+    runner = thread.submit(lambda: ModelRunner(lm.model, lm.device, lm.dtype, max_context=8192)).result(timeout=60)
+    eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(), thread=thread)
+    eng.start()
+    ids, names = chat_ids("Name three rivers."), set()
+    out = Collector()
+    eng.submit(_request("r", ids, 8), lambda ev: (names.add(threading.current_thread().name), out(ev)))
+    assert out.done.wait(120)
+    assert_greedy_equal(lm, ids, out.tokens, hf_greedy(ids, 8))
+    assert names == {"specmesh-test-engine"}  # every event, hence every step, came from that thread
+    eng.shutdown()
+    assert thread.submit(lambda: "still serving").result(timeout=10) == "still serving"  # not the engine's to close
+    thread.close()
 
 
 def test_admission_limit_raises_and_stop_strings_end_generation(chat_ids, engine_factory):
