@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
-import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from specmesh.server.flags import ServiceFlags
 from specmesh.server.log_limit import RateLimitedLog
 from specmesh.server.metrics import ProposerMetrics
 from specmesh.server.packed_linear import add_linears_flag
+from specmesh.server.torch_thread import TorchThread
 from specmesh.v1 import proposer_pb2
 
 if TYPE_CHECKING:
@@ -53,20 +55,34 @@ class _Close:
     key: int
 
 
+def _log_failure(loop: Future[None]) -> None:
+    if not loop.cancelled() and loop.exception() is not None:
+        log.error("proposer loop ended", exc_info=loop.exception())
+
+
 class EventThread:
     """The thread a batching proposer's model state lives on (draft, head): the streams ``submit``
-    events; the thread takes them in batches (``_events``) and drafts in between."""
+    events; the thread takes them in batches (``_events``) and drafts in between. ``thread``: the
+    one that loaded the model, so the process has one OpenMP team (``specmesh.server.torch_thread``);
+    default a new one."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, thread: TorchThread | None = None) -> None:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._own_thread = thread is None
+        self._thread = thread or TorchThread(name)
+        self._running: Future[None] | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._running = self._thread.submit(self._run)
+        self._running.add_done_callback(_log_failure)
 
     def stop(self) -> None:
         self._inbox.put(None)
-        self._thread.join(timeout=10)
+        if self._running is not None:
+            with contextlib.suppress(Exception):  # a loop that failed was logged as it ended
+                self._running.result(timeout=10)
+        if self._own_thread:
+            self._thread.close()
 
     def submit(self, event: Any) -> None:
         self._inbox.put(event)
@@ -88,8 +104,8 @@ class EventThread:
 class DraftLoop(EventThread):
     """The batching thread: owns the Drafter (model + slot cache) and every request's state."""
 
-    def __init__(self, drafter: Any, metrics: ProposerMetrics | None = None) -> None:
-        super().__init__("draft-loop")
+    def __init__(self, drafter: Any, metrics: ProposerMetrics | None = None, thread: TorchThread | None = None) -> None:
+        super().__init__("draft-loop", thread)
         self.drafter, self.metrics = drafter, metrics
         self._states: list[Any] = []  # index = slot
         self._by_key: dict[int, tuple[Any, Deliver]] = {}
@@ -309,32 +325,44 @@ def parse_args(argv: list[str] | None = None) -> DraftServerConfig:
     )
 
 
-async def run(cfg: DraftServerConfig) -> None:
+def load_draft(cfg: DraftServerConfig) -> tuple[Any, Any]:
+    """The draft model and its runner, loaded on the thread that will draft with them (``TorchThread``)."""
     import torch
 
-    from proposer_svc.draft import DraftConfig, Drafter
-    from specmesh.server.model_loading import load_model, tokenizer_hash
+    from specmesh.server.model_loading import load_model
     from specmesh.server.model_runner import ModelRunner
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    t0 = time.perf_counter()
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
     text_cfg = lm.model.config.get_text_config()
     model_max = int(getattr(text_cfg, "max_position_embeddings", 0) or 4096)
+    max_context = min(cfg.max_context or model_max, model_max)
+    return lm, ModelRunner(lm.model, lm.device, lm.dtype, max_context, packed_linears=cfg.packed_linears)
+
+
+async def run(cfg: DraftServerConfig) -> None:
+    import torch
+
+    from proposer_svc.draft import DraftConfig, Drafter
+    from specmesh.server.model_loading import tokenizer_hash
+
+    t0 = time.perf_counter()
+    thread = TorchThread("draft-loop")  # loads the draft model, then drafts with it
+    lm, runner = await thread.run(load_draft, cfg)
+    text_cfg = lm.model.config.get_text_config()
     config = DraftConfig(
         max_nodes=cfg.max_nodes, max_depth=cfg.max_depth, width=cfg.width, branch=cfg.branch, max_batch=cfg.max_batch
     )
-    max_context = min(cfg.max_context or model_max, model_max)
-    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context, packed_linears=cfg.packed_linears)
     identity = proposer_pb2.VocabIdentity(vocab_size=runner.vocab_size, tokenizer_hash=tokenizer_hash(lm.tokenizer))
+    threads = await thread.run(torch.get_num_threads)  # the drafting thread's own OpenMP setting
     print(
         f"draft: model {lm.name} ({text_cfg.num_hidden_layers} layers) from {lm.path} on {lm.device} ({lm.dtype}), "
-        f"{torch.get_num_threads()} threads, in {time.perf_counter() - t0:.1f} s",
+        f"{threads} threads, in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
     metrics = ProposerMetrics("draft")
-    loop = DraftLoop(Drafter(runner, config), metrics)
+    loop = DraftLoop(Drafter(runner, config), metrics, thread)
     loop.start()
     servicer = ProposeStream(draft_stream_config(identity, config, cfg.serving.limits), draft_opener(loop), metrics)
     try:

@@ -28,6 +28,7 @@ from proposer_svc.stream import Deliver, Opener, ProposeStream, StreamConfig
 from specmesh.server.flags import ServiceFlags
 from specmesh.server.log_limit import RateLimitedLog
 from specmesh.server.metrics import ProposerMetrics
+from specmesh.server.torch_thread import TorchThread
 from specmesh.v1 import proposer_pb2
 
 if TYPE_CHECKING:
@@ -73,8 +74,15 @@ class _Close:
 class HeadLoop(EventThread):
     """The drafting thread: applies queued events, then drafts all owed trees in batches."""
 
-    def __init__(self, head: Head, config: DraftConfig, max_batch: int, metrics: ProposerMetrics | None) -> None:
-        super().__init__("head-loop")
+    def __init__(
+        self,
+        head: Head,
+        config: DraftConfig,
+        max_batch: int,
+        metrics: ProposerMetrics | None,
+        thread: TorchThread | None = None,
+    ) -> None:
+        super().__init__("head-loop", thread)
         self.head, self.config, self.max_batch, self.metrics = head, config, max_batch, metrics
         self._requests: dict[int, HeadRequest] = {}
         self.rounds, self.round_s = 0, 0.0
@@ -217,11 +225,12 @@ def parse_args(argv: list[str] | None = None) -> HeadServerConfig:
     )
 
 
-async def run(cfg: HeadServerConfig) -> None:
+def load(cfg: HeadServerConfig) -> tuple[Path, Path, Head]:
+    """(head folder, target folder, the head), trained first where none is cached; on the thread that
+    will draft with it (``TorchThread``)."""
     import torch
     from transformers import AutoTokenizer
 
-    from proposer_svc.draft import DraftConfig
     from proposer_svc.head import load_head
     from proposer_svc.head_train import cached_head
     from specmesh.server.model_loading import resolve_model_path, tokenizer_hash
@@ -232,18 +241,28 @@ async def run(cfg: HeadServerConfig) -> None:
     ident = tokenizer_hash(AutoTokenizer.from_pretrained(target))
     folder = Path(cfg.head) if cfg.head else cached_head(cfg.target, cfg.train_minutes)
     try:
-        head = load_head(folder, target, ident)
+        return folder, target, load_head(folder, target, ident)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"specmesh serve head: {exc}") from None
+
+
+async def run(cfg: HeadServerConfig) -> None:
+    import torch
+
+    from proposer_svc.draft import DraftConfig
+
+    thread = TorchThread("head-loop")  # trains or loads the head, then drafts with it
+    folder, target, head = await thread.run(load, cfg)
+    threads = await thread.run(torch.get_num_threads)  # the drafting thread's own OpenMP setting
     arch = head.arch
     print(
         f"head: {folder} ({sum(p.numel() for p in head.parameters())} parameters, draft vocabulary {arch.draft_vocab}) "
-        f"over target {target}, {torch.get_num_threads()} threads",
+        f"over target {target}, {threads} threads",
         flush=True,
     )
     draft = DraftConfig(max_nodes=cfg.max_nodes, max_depth=cfg.max_depth, width=cfg.width, branch=cfg.branch)
     metrics = ProposerMetrics("head")
-    loop = HeadLoop(head, draft, cfg.max_batch, metrics)
+    loop = HeadLoop(head, draft, cfg.max_batch, metrics, thread)
     loop.start()
     config = StreamConfig(
         proposer="head",
