@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import logging
 import queue
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +24,7 @@ from specmesh.server.flags import ServiceFlags
 from specmesh.server.log_limit import RateLimitedLog
 from specmesh.server.metrics import ProposerMetrics
 from specmesh.server.packed_linear import add_linears_flag
-from specmesh.server.torch_thread import TorchThread
+from specmesh.server.torch_thread import ThreadLoop, TorchThread
 from specmesh.v1 import proposer_pb2
 
 if TYPE_CHECKING:
@@ -55,11 +53,6 @@ class _Close:
     key: int
 
 
-def _log_failure(loop: Future[None]) -> None:
-    if not loop.cancelled() and loop.exception() is not None:
-        log.error("proposer loop ended", exc_info=loop.exception())
-
-
 class EventThread:
     """The thread a batching proposer's model state lives on (draft, head): the streams ``submit``
     events; the thread takes them in batches (``_events``) and drafts in between. ``thread``: the
@@ -68,21 +61,14 @@ class EventThread:
 
     def __init__(self, name: str, thread: TorchThread | None = None) -> None:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._own_thread = thread is None
-        self._thread = thread or TorchThread(name)
-        self._running: Future[None] | None = None
+        self._thread = ThreadLoop(self._run, name, thread)
 
     def start(self) -> None:
-        self._running = self._thread.submit(self._run)
-        self._running.add_done_callback(_log_failure)
+        self._thread.start()
 
     def stop(self) -> None:
         self._inbox.put(None)
-        if self._running is not None:
-            with contextlib.suppress(Exception):  # a loop that failed was logged as it ended
-                self._running.result(timeout=10)
-        if self._own_thread:
-            self._thread.close()
+        self._thread.join(timeout=10)
 
     def submit(self, event: Any) -> None:
         self._inbox.put(event)

@@ -18,7 +18,6 @@ step is retried request by request, and only those whose own step fails get the 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import queue
@@ -26,7 +25,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +33,7 @@ import torch
 from specmesh.server import hidden as hidden_states
 from specmesh.server.attention import Packing
 from specmesh.server.model_runner import ModelRunner
-from specmesh.server.torch_thread import TorchThread
+from specmesh.server.torch_thread import ThreadLoop, TorchThread
 from specmesh.v1 import proposer_pb2
 from specmesh_router.cost_model import LiveStepCost
 from verifier_svc import admission
@@ -73,11 +71,6 @@ class EngineConfig:
     kv_margin: int = 256  # positions per row left to grow into when a waiting request joins
     step_room: int = 129  # positions one decode step writes per row at most: pending token + tree
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
-
-
-def _log_failure(loop: Future[None]) -> None:
-    if not loop.cancelled() and loop.exception() is not None:
-        log.error("engine loop ended", exc_info=loop.exception())
 
 
 class Engine:
@@ -127,9 +120,7 @@ class Engine:
             metrics,
             open_session,
         )
-        self._own_thread = thread is None
-        self._thread = thread or TorchThread("specmesh-engine")
-        self._running_loop: Future[None] | None = None
+        self._thread = ThreadLoop(self._loop, "specmesh-engine", thread)
 
     @property
     def packed(self) -> bool:
@@ -138,8 +129,7 @@ class Engine:
 
     # --- public, any thread ---------------------------------------------------------------
     def start(self) -> None:
-        self._running_loop = self._thread.submit(self._loop)
-        self._running_loop.add_done_callback(_log_failure)
+        self._thread.start()
 
     def submit(
         self,
@@ -209,11 +199,7 @@ class Engine:
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.put(("wake", None))
-        if self._running_loop is not None:
-            with contextlib.suppress(Exception):  # a loop that failed was logged as it ended
-                self._running_loop.result(timeout=10)
-        if self._own_thread:
-            self._thread.close()
+        self._thread.join(timeout=10)
 
     # --- engine thread --------------------------------------------------------------------
     def _loop(self) -> None:

@@ -11,12 +11,15 @@ serving process loads its model, measures it and steps it on one thread: this on
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _Job = tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]
 
@@ -33,10 +36,6 @@ class TorchThread:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
-
-    @property
-    def name(self) -> str:
-        return self._thread.name
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
@@ -63,3 +62,36 @@ class TorchThread:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
+
+
+class ThreadLoop:
+    """A serving loop (``fn`` runs until told to stop) on a ``TorchThread``: the one given (the
+    thread that loaded the model, left running at ``join``) or one of its own (closed at ``join``).
+    A loop that fails is logged as it ends.
+
+    >>> stop = threading.Event()
+    >>> loop = ThreadLoop(stop.wait, "specmesh-doc-loop"); loop.start()
+    >>> stop.set(); loop.join()
+    """
+
+    def __init__(self, fn: Callable[[], object], name: str, thread: TorchThread | None = None) -> None:
+        self._fn, self._name = fn, name
+        self._own = thread is None
+        self._thread = thread or TorchThread(name)
+        self._running: Future[Any] | None = None
+
+    def start(self) -> None:
+        self._running = self._thread.submit(self._fn)
+        self._running.add_done_callback(self._log_failure)
+
+    def join(self, timeout: float = 10.0) -> None:
+        """Wait up to ``timeout`` for the loop to return (the caller has told it to stop)."""
+        if self._running is not None:
+            with contextlib.suppress(Exception):  # a loop that failed was logged as it ended
+                self._running.result(timeout=timeout)
+        if self._own:
+            self._thread.close()
+
+    def _log_failure(self, running: Future[Any]) -> None:
+        if not running.cancelled() and running.exception() is not None:
+            log.error("%s ended", self._name, exc_info=running.exception())
