@@ -20,20 +20,23 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from specmesh_router.stats import MAX_POSITIONS, AcceptanceStats, one_at
+from specmesh_router.stats import MAX_POSITIONS, AcceptanceStats, batch_bucket, one_at, value_at
 
 MAX_ALPHA = 0.99  # the gate never plans on certain acceptance
 
 
 @dataclass(frozen=True)
 class Served:
-    """What a proposer's requests got per step, measured over every step they spent on it (a tree
-    verified, none, or one the gate skipped): tokens emitted, draft nodes verified, and what the
-    step cost the request.
+    """What a proposer's requests got per step in batches of one size (``BATCH_BUCKETS``), measured
+    over every step they spent on it (a tree verified, none, or one the gate skipped): tokens
+    emitted, draft nodes verified, and what the step cost the request.
 
-    >>> Served.of(AcceptanceStats.served(3, 6, 0.08) + AcceptanceStats.served(1, 0, 0.06), min_steps=2)
+    >>> s = AcceptanceStats.served(3, 6, 0.08) + AcceptanceStats.served(1, 0, 0.06)
+    >>> Served.of(s, min_steps=2, rows=1)
     Served(tokens=2.0, nodes=3.0, seconds=0.07, steps=2.0)
-    >>> Served.of(AcceptanceStats.served(3, 6, 0.08), min_steps=2) is None    # too little to go by
+    >>> Served.of(s, min_steps=2, rows=8) is None    # nothing served in batches of 8
+    True
+    >>> Served.of(AcceptanceStats.served(3, 6, 0.08), min_steps=2, rows=1) is None    # too little to go by
     True
     """
 
@@ -43,11 +46,13 @@ class Served:
     steps: float  # decayed steps behind the means
 
     @classmethod
-    def of(cls, stats: AcceptanceStats | None, min_steps: float) -> Served | None:
-        if stats is None or stats.served_steps < min_steps or stats.served_steps <= 0:
+    def of(cls, stats: AcceptanceStats | None, min_steps: float, rows: int) -> Served | None:
+        if stats is None:
             return None
-        n = stats.served_steps
-        return cls(stats.served_tokens / n, stats.served_nodes / n, stats.served_s / n, n)
+        n, tokens, nodes, seconds = stats.served_in(batch_bucket(rows))
+        if n < min_steps or n <= 0:
+            return None
+        return cls(tokens / n, nodes / n, seconds / n, n)
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class Posterior:
     wait_s: float = 0.0  # mean verifier wait for this proposer's draft, per step
     evidence: float = 0.0  # decayed steps behind the posterior
     coverage: float = 1.0  # share of steps the proposer had a tree for (the others cost a plain step)
-    served: Served | None = None  # measured per step, where there is enough of it
+    served: Served | None = None  # measured per step in batches of the size decided for, where there is enough
 
     def means(self) -> list[float]:
         return [a / (a + b) for a, b in zip(self.a, self.b, strict=True)]
@@ -75,11 +80,12 @@ def posterior(
     depth: int,
     count_ends: bool = True,
     min_served: float = math.inf,
+    rows: int = 1,
 ) -> Posterior:
     """Per-depth Beta posteriors from shared statistics. Prior mean at depth d: the pooled (all
     workload tags) statistics where they exist, else the posterior mean one level up (depth 1:
-    ``prior_mean``), worth ``strength`` trials. ``served``: the tag's measured steps where it has
-    ``min_served`` of them, else the pooled ones', else None.
+    ``prior_mean``), worth ``strength`` trials. ``served``: the tag's measured steps in batches of
+    ``rows``' bucket where it has ``min_served`` of them, else the pooled ones', else None.
 
     ``count_ends``: where the proposer's own trees ended (``AcceptanceStats.ends``) counts as a miss,
     so α is per step, whatever the proposer had: what the router compares proposers by. Without,
@@ -100,21 +106,17 @@ def posterior(
     mean = prior_mean
     for d in range(depth):
         if pooled is not None and (n := _trials(pooled, d, count_ends)) > 0:
-            mean = (_at(pooled.hits, d) + mean * strength) / (n + strength)
-        hits, trials = _at(stats.hits, d), _trials(stats, d, count_ends)
+            mean = (value_at(pooled.hits, d) + mean * strength) / (n + strength)
+        hits, trials = value_at(stats.hits, d), _trials(stats, d, count_ends)
         a.append(mean * strength + hits)
         b.append((1 - mean) * strength + max(trials - hits, 0.0))
         mean = a[-1] / (a[-1] + b[-1])
-    served = Served.of(stats, min_served) or Served.of(pooled, min_served)
+    served = Served.of(stats, min_served, rows) or Served.of(pooled, min_served, rows)
     return Posterior(proposer, tuple(a), tuple(b), stats.proposer_s_per_step, stats.steps, stats.coverage, served)
 
 
 def _trials(stats: AcceptanceStats, d: int, count_ends: bool) -> float:
-    return _at(stats.trials, d) + (_at(stats.ends, d) if count_ends else 0.0)
-
-
-def _at(xs: tuple[float, ...], d: int) -> float:
-    return xs[d] if d < len(xs) else 0.0
+    return value_at(stats.trials, d) + (value_at(stats.ends, d) if count_ends else 0.0)
 
 
 def levels_sample(first_depth: int, accepted: int, rejected: bool, ended: bool = False) -> AcceptanceStats:
@@ -199,7 +201,7 @@ class RequestEstimate:
         mean = self.prior[0]
         for d in range(depth):
             mean = self.prior[d] if d < len(self.prior) else mean
-            hits, trials = _at(self.seen.hits, d), _trials(self.seen, d, count_ends)
+            hits, trials = value_at(self.seen.hits, d), _trials(self.seen, d, count_ends)
             a.append(mean * w + hits)
             b.append((1 - mean) * w + max(trials - hits, 0.0))
             mean = a[-1] / (a[-1] + b[-1]) if a[-1] + b[-1] > 0 else mean

@@ -281,7 +281,7 @@ class Router:
             self.stats.record(StatsKey(self.model, proposer, ""), sample)
 
     def posteriors(
-        self, proposers: Sequence[str], workload_tag: str, depth: int, count_ends: bool = True
+        self, proposers: Sequence[str], workload_tag: str, depth: int, count_ends: bool = True, batch: int = 1
     ) -> list[Posterior]:
         keys = [StatsKey(self.model, p, t) for p in proposers for t in {workload_tag, ""}]
         snap = self.stats.snapshot(keys)
@@ -291,7 +291,9 @@ class Router:
             pooled = snap.get(StatsKey(self.model, p, "")) if workload_tag else None
             cfg = self.config
             out.append(
-                posterior(p, own, pooled, cfg.prior_mean, cfg.prior_strength, depth, count_ends, cfg.min_served_steps)
+                posterior(
+                    p, own, pooled, cfg.prior_mean, cfg.prior_strength, depth, count_ends, cfg.min_served_steps, batch
+                )
             )
         return out
 
@@ -322,7 +324,7 @@ class Router:
         if not names:
             return Decision("none", 0, baseline, baseline, reason=why)
         cap = k_cap(self.config, num_speculative_tokens, policy.num_speculative_tokens)
-        posts = self.posteriors(names, workload_tag, cap)
+        posts = self.posteriors(names, workload_tag, cap, batch=max(batch, 1))
         steps = self.step_time, max(batch, 1), cap
         if estimate is not None and current in names:
             means = replace(self.config, exploration="greedy")

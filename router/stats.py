@@ -28,6 +28,10 @@ from urllib.parse import quote, unquote, urlsplit
 log = logging.getLogger(__name__)
 
 MAX_POSITIONS = 32  # draft depths tracked per key; deeper positions are not counted
+# Lower bounds of the batch-size buckets the served sums are kept per: rows 1, 2–3, 4–7, 8 and more.
+# A row's step costs what the whole batch's forward costs, so tokens per second per row measured in
+# a batch of 8 and in a batch of 1 are not comparable: proposers are compared within a bucket.
+BATCH_BUCKETS = (1, 2, 4, 8)
 Clock = Callable[[], float]
 
 
@@ -61,10 +65,11 @@ class AcceptanceStats:
     # Every step a request spent on this proposer, whatever it had: a verified tree, none, or one
     # the verifier's gate skipped. What the proposer delivered as it runs, gate and all: the router
     # ranks proposers by it once there is enough (the per-depth sums above price a k it chooses).
-    served_steps: float = 0.0
-    served_tokens: float = 0.0  # tokens those steps emitted (accepted + bonus)
-    served_nodes: float = 0.0  # draft nodes those steps verified
-    served_s: float = 0.0  # what those steps took, as measured: the forward with acceptance + the wait for trees
+    # [b]: steps in a batch of batch_bucket(rows) == b.
+    served_steps: tuple[float, ...] = ()
+    served_tokens: tuple[float, ...] = ()  # tokens those steps emitted (accepted + bonus)
+    served_nodes: tuple[float, ...] = ()  # draft nodes those steps verified
+    served_s: tuple[float, ...] = ()  # what those steps took, measured: forward with acceptance + the wait for trees
 
     @classmethod
     def of_step(
@@ -100,10 +105,10 @@ class AcceptanceStats:
             _add(self.hits, other.hits),
             _add(self.trials, other.trials),
             _add(self.ends, other.ends),
-            self.served_steps + other.served_steps,
-            self.served_tokens + other.served_tokens,
-            self.served_nodes + other.served_nodes,
-            self.served_s + other.served_s,
+            _add(self.served_steps, other.served_steps),
+            _add(self.served_tokens, other.served_tokens),
+            _add(self.served_nodes, other.served_nodes),
+            _add(self.served_s, other.served_s),
         )
 
     def scaled(self, f: float) -> AcceptanceStats:
@@ -117,30 +122,59 @@ class AcceptanceStats:
             tuple(x * f for x in self.hits),
             tuple(x * f for x in self.trials),
             tuple(x * f for x in self.ends),
-            self.served_steps * f,
-            self.served_tokens * f,
-            self.served_nodes * f,
-            self.served_s * f,
+            tuple(x * f for x in self.served_steps),
+            tuple(x * f for x in self.served_tokens),
+            tuple(x * f for x in self.served_nodes),
+            tuple(x * f for x in self.served_s),
         )
 
     @classmethod
-    def served(cls, tokens: int, nodes: int, seconds: float) -> AcceptanceStats:
+    def served(cls, tokens: int, nodes: int, seconds: float, rows: int = 1) -> AcceptanceStats:
         """One step of a request on this proposer: ``tokens`` emitted, ``nodes`` draft nodes verified
-        (0 where the step had no tree, or one the gate skipped), costing the request ``seconds``."""
-        return cls(served_steps=1.0, served_tokens=float(tokens), served_nodes=float(nodes), served_s=seconds)
+        (0 where the step had no tree, or one the gate skipped), costing the request ``seconds``, in
+        a batch of ``rows``.
+
+        >>> AcceptanceStats.served(3, 6, 0.08, rows=5).served_tokens
+        (0.0, 0.0, 3.0)
+        """
+        b = batch_bucket(rows)
+
+        def at_b(v: float) -> tuple[float, ...]:  # dense, as long as its last non-zero (as from_fields reads it)
+            return (0.0,) * b + (float(v),) if v else ()
+
+        return cls(served_steps=at_b(1), served_tokens=at_b(tokens), served_nodes=at_b(nodes), served_s=at_b(seconds))
+
+    def served_in(self, bucket: int | None = None) -> tuple[float, float, float, float]:
+        """(steps, tokens, nodes, seconds) served in batches of ``bucket``, or in all (None)."""
+        sums = (self.served_steps, self.served_tokens, self.served_nodes, self.served_s)
+        if bucket is None:
+            return tuple(sum(xs) for xs in sums)  # type: ignore[return-value]
+        return tuple(value_at(xs, bucket) for xs in sums)  # type: ignore[return-value]
 
     @property
     def served_tokens_per_step(self) -> float:
-        return self.served_tokens / self.served_steps if self.served_steps else 0.0
+        steps, tokens, _, _ = self.served_in()
+        return tokens / steps if steps else 0.0
 
     @property
     def served_tokens_per_s(self) -> float:
-        """Tokens per second per row the proposer's requests got (0 with no evidence).
+        """Tokens per second per row the proposer's requests got, in batches of every size (0 with
+        no evidence).
 
         >>> round((AcceptanceStats.served(3, 6, 0.08) + AcceptanceStats.served(1, 0, 0.06)).served_tokens_per_s, 2)
         28.57
         """
-        return self.served_tokens / self.served_s if self.served_s else 0.0
+        _, tokens, _, seconds = self.served_in()
+        return tokens / seconds if seconds else 0.0
+
+    def served_tokens_per_s_by_batch(self) -> list[float]:
+        """``served_tokens_per_s`` per batch bucket (0 where none was served).
+
+        >>> s = AcceptanceStats.served(3, 6, 0.05) + AcceptanceStats.served(1, 0, 0.1, rows=8)
+        >>> s.served_tokens_per_s_by_batch()
+        [60.0, 0.0, 0.0, 10.0]
+        """
+        return [value_at(self.served_tokens, b) / x if x else 0.0 for b, x in enumerate(self.served_s)]
 
     @property
     def accepted_per_step(self) -> float:
@@ -173,8 +207,8 @@ class AcceptanceStats:
     def to_fields(self) -> dict[str, float]:
         """Flat field → value map (the Redis hash layout), non-zero entries only."""
         out = {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted, "proposer_s": self.proposer_s}
-        out.update(served_steps=self.served_steps, served_tokens=self.served_tokens, served_nodes=self.served_nodes)
-        out.update(served_s=self.served_s)
+        for name in SERVED_FIELDS:
+            out.update({f"{name}.{b}": v for b, v in enumerate(getattr(self, name))})
         out.update({f"h{d}": v for d, v in enumerate(self.hits)})
         out.update({f"n{d}": v for d, v in enumerate(self.trials)})
         out.update({f"e{d}": v for d, v in enumerate(self.ends)})
@@ -185,7 +219,7 @@ class AcceptanceStats:
         """Inverse of ``to_fields``; unknown fields are ignored.
 
         >>> s = AcceptanceStats.of_step(4, 1, True, 0.002) + AcceptanceStats.no_tree()
-        >>> s += AcceptanceStats.served(2, 4, 0.07)
+        >>> s += AcceptanceStats.served(2, 4, 0.07) + AcceptanceStats.served(1, 0, 0.2, rows=8)
         >>> AcceptanceStats.from_fields({k: str(v) for k, v in s.to_fields().items()}) == s
         True
         """
@@ -193,16 +227,35 @@ class AcceptanceStats:
         trials: dict[int, float] = {}
         ends: dict[int, float] = {}
         per_depth = {"h": hits, "n": trials, "e": ends}
-        scalars = dict.fromkeys(
-            ("steps", "drafted", "accepted", "proposer_s", "served_steps", "served_tokens", "served_nodes", "served_s"),
-            0.0,
-        )
+        per_batch: dict[str, dict[int, float]] = {name: {} for name in SERVED_FIELDS}
+        scalars = dict.fromkeys(("steps", "drafted", "accepted", "proposer_s"), 0.0)
         for name, raw in fields.items():
+            base, _, b = name.partition(".")
             if name in scalars:
                 scalars[name] = float(raw)
             elif name[:1] in per_depth and name[1:].isdigit() and int(name[1:]) < MAX_POSITIONS:
                 per_depth[name[0]][int(name[1:])] = float(raw)
-        return cls(**scalars, hits=_dense(hits), trials=_dense(trials), ends=_dense(ends))
+            elif base in per_batch and b.isdigit() and int(b) < len(BATCH_BUCKETS):
+                per_batch[base][int(b)] = float(raw)
+        served = {name: _dense(v) for name, v in per_batch.items()}
+        return cls(**scalars, hits=_dense(hits), trials=_dense(trials), ends=_dense(ends), **served)
+
+
+SERVED_FIELDS = ("served_steps", "served_tokens", "served_nodes", "served_s")
+
+
+def batch_bucket(rows: int) -> int:
+    """Which ``BATCH_BUCKETS`` entry a step of ``rows`` rows counts under.
+
+    >>> [batch_bucket(r) for r in (1, 2, 3, 4, 7, 8, 64)]
+    [0, 1, 1, 2, 2, 3, 3]
+    """
+    return max(b for b, low in enumerate(BATCH_BUCKETS) if rows >= low or b == 0)
+
+
+def value_at(xs: tuple[float, ...], i: int) -> float:
+    """``xs[i]``, 0 past the end (the sums are dense tuples, as long as their last non-zero)."""
+    return xs[i] if i < len(xs) else 0.0
 
 
 def one_at(d: int) -> tuple[float, ...]:

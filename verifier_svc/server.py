@@ -257,9 +257,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                     position_accepted=list(s.hits),
                     position_ends=list(s.ends),
                     coverage=s.coverage,
-                    served_steps=s.served_steps,
+                    served_steps=sum(s.served_steps),
                     served_tokens_per_step=s.served_tokens_per_step,
                     served_tokens_per_s=s.served_tokens_per_s,
+                    served_steps_by_batch=list(s.served_steps),
+                    served_tokens_per_s_by_batch=s.served_tokens_per_s_by_batch(),
                 )
             )
         status = self.router_stats.status()

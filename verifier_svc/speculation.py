@@ -366,7 +366,7 @@ class SpeculationControl:
                 add(samples, (spec.counters.proposer, tag), AcceptanceStats.no_tree())
             emitted = [tree.tokens[k] for k in path] + [bonus]
             if spec.session is not None or len(tree):  # the step as the request got it
-                served = AcceptanceStats.served(len(emitted), len(tree), seconds + self.last_wait)
+                served = AcceptanceStats.served(len(emitted), len(tree), seconds + self.last_wait, len(seqs))
                 add(samples, (spec.counters.proposer, tag), served)
             if spec.shadow is not None and not len(tree):
                 shadow = spec.follow_shadow(emitted)

@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         from tqdm import tqdm  # with transformers ([serve]) and openai ([bench]); on stderr
 
         set_oracle = oracle.servicer.set_continuation if oracle else None
+        router_stats: list[str] = []  # the router's statistics as each block left them
         runner = BenchRunner(
             config,
             targets,
@@ -370,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
             a.corrupt or None,
             warmup=warmup if any(m in LEARNING_MODES for m in modes) else (),
             log=lambda line: tqdm.write(line, file=sys.stderr),
+            block_done=lambda sampling, c: router_stats.append(_router_stats(client, f"after {sampling} c={c}")),
         )
         if a.turns > 1:  # before the hf-* model loads: the answers come from the deployment
             prompts += second_turns(prompts, runner.first_answers(prompts), encode_chat)
@@ -420,6 +422,9 @@ def main(argv: list[str] | None = None) -> None:
     (out_dir / "summary.md").write_text(text)
     (out_dir / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     written = ["records.jsonl", "summary.md", "summary.json"]
+    if any(router_stats):
+        (out_dir / "router_stats.txt").write_text("".join(router_stats))
+        written.append("router_stats.txt")
     if transports:
         (out_dir / "gateway_vs_grpc.json").write_text(json.dumps([asdict(r) for r in transports], indent=1))
         written.append("gateway_vs_grpc.json")
@@ -429,6 +434,20 @@ def main(argv: list[str] | None = None) -> None:
     if failures:
         print(f"bench: LOSSLESSNESS FAILURE in {len(failures)} request(s); see summary.md", file=sys.stderr)
         sys.exit(1)
+
+
+def _router_stats(client: Client | None, label: str) -> str:
+    """The router's statistics (as ``specmesh admin router-stats`` prints them) under a ``label``
+    line; "" without a gRPC client, a line saying why where the server refuses."""
+    if client is None:
+        return ""
+    try:
+        reply = client.router_stats()
+    except grpc.RpcError as exc:
+        return f"# {label}: no router statistics ({exc.code().name}: {exc.details()})\n"
+    from google.protobuf import text_format
+
+    return f"# {label}\n{text_format.MessageToString(reply)}\n"
 
 
 def local_deployment(

@@ -406,7 +406,9 @@ def _mark_lossless(records: list[dict], corrupt: str | None) -> None:
 class BenchRunner:
     """``warmup``: prompts sent (untimed, greedy, at the run's highest concurrency) through each
     learning mode's scope before its measured requests (see the module's docstring); ``run_token``
-    names this invocation's scopes (random by default); ``log``: progress lines (stderr)."""
+    names this invocation's scopes (random by default); ``log``: progress lines (stderr);
+    ``block_done(sampling, concurrency)``: called after each block's last request, before the next
+    block's warm-up (e.g. to read the router's statistics as that block left them)."""
 
     def __init__(
         self,
@@ -418,8 +420,10 @@ class BenchRunner:
         warmup: Sequence[BenchPrompt] = (),
         run_token: str | None = None,
         log: Callable[[str], None] | None = None,
+        block_done: Callable[[str, int], None] | None = None,
     ) -> None:
         self.config, self.targets, self.hf, self.set_oracle = config, list(targets), hf, set_oracle
+        self.block_done = block_done
         self.corrupt_mode = corrupt_mode
         self.warmup = list(warmup)
         self.run_token = run_token or secrets.token_hex(4)
@@ -557,6 +561,8 @@ class BenchRunner:
                 self._warm_up(sampling, c, modes)  # before this block's first measured request
                 for w, wave in enumerate(self.waves(prompts, c)):
                     yield from self._group(wave, mode_order(tuple(modes), w), sampling, c, w)
+                if self.block_done is not None:
+                    self.block_done(sampling, c)
 
     def _group(self, wave: list[BenchPrompt], order: list[str], sampling: str, c: int, w: int) -> Iterator[dict]:
         records: list[dict] = []

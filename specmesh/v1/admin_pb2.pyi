@@ -125,7 +125,7 @@ class GetRouterStatsRequest(_message.Message):
     def __init__(self, proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("model", "proposer", "workload_tag", "steps", "drafted_tokens", "accepted_tokens", "accepted_per_step", "drafted_per_step", "proposer_wait_ms_per_step", "position_trials", "position_accepted", "position_ends", "coverage", "served_steps", "served_tokens_per_step", "served_tokens_per_s")
+    __slots__ = ("model", "proposer", "workload_tag", "steps", "drafted_tokens", "accepted_tokens", "accepted_per_step", "drafted_per_step", "proposer_wait_ms_per_step", "position_trials", "position_accepted", "position_ends", "coverage", "served_steps", "served_tokens_per_step", "served_tokens_per_s", "served_steps_by_batch", "served_tokens_per_s_by_batch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_TAG_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class RouterStats(_message.Message):
     SERVED_STEPS_FIELD_NUMBER: _ClassVar[int]
     SERVED_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     SERVED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SERVED_STEPS_BY_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SERVED_TOKENS_PER_S_BY_BATCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     proposer: str
     workload_tag: str
@@ -158,7 +160,9 @@ class RouterStats(_message.Message):
     served_steps: float
     served_tokens_per_step: float
     served_tokens_per_s: float
-    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., steps: _Optional[float] = ..., drafted_tokens: _Optional[float] = ..., accepted_tokens: _Optional[float] = ..., accepted_per_step: _Optional[float] = ..., drafted_per_step: _Optional[float] = ..., proposer_wait_ms_per_step: _Optional[float] = ..., position_trials: _Optional[_Iterable[float]] = ..., position_accepted: _Optional[_Iterable[float]] = ..., position_ends: _Optional[_Iterable[float]] = ..., coverage: _Optional[float] = ..., served_steps: _Optional[float] = ..., served_tokens_per_step: _Optional[float] = ..., served_tokens_per_s: _Optional[float] = ...) -> None: ...
+    served_steps_by_batch: _containers.RepeatedScalarFieldContainer[float]
+    served_tokens_per_s_by_batch: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, model: _Optional[str] = ..., proposer: _Optional[str] = ..., workload_tag: _Optional[str] = ..., steps: _Optional[float] = ..., drafted_tokens: _Optional[float] = ..., accepted_tokens: _Optional[float] = ..., accepted_per_step: _Optional[float] = ..., drafted_per_step: _Optional[float] = ..., proposer_wait_ms_per_step: _Optional[float] = ..., position_trials: _Optional[_Iterable[float]] = ..., position_accepted: _Optional[_Iterable[float]] = ..., position_ends: _Optional[_Iterable[float]] = ..., coverage: _Optional[float] = ..., served_steps: _Optional[float] = ..., served_tokens_per_step: _Optional[float] = ..., served_tokens_per_s: _Optional[float] = ..., served_steps_by_batch: _Optional[_Iterable[float]] = ..., served_tokens_per_s_by_batch: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetRouterStatsResponse(_message.Message):
     __slots__ = ("backend", "connected", "detail", "half_life_s", "stats")

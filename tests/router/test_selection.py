@@ -10,7 +10,7 @@ import pytest
 from specmesh_router.cost_model import StepCost
 from specmesh_router.policy import PolicyStore, SpeculationPolicy
 from specmesh_router.selection import Posterior, Router, SelectionConfig, choose
-from specmesh_router.stats import AcceptanceStats, InProcessStats, StatsConfig
+from specmesh_router.stats import AcceptanceStats, InProcessStats, StatsConfig, StatsKey
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -248,6 +248,28 @@ def served_stream(router: Router, clock, steps: int) -> None:
             sample = AcceptanceStats.no_tree() + AcceptanceStats.served(1, 0, CPU(1, 1))
         router.record("suffix", "qa", sample)
         clock.advance(0.1)
+
+
+def test_proposers_are_compared_on_what_they_served_in_batches_of_the_size_decided_for(clock):
+    """The bench's warm-up ran suffix at 8 streams, then n-gram alone: a row of an 8-row batch waits
+    for the whole batch's forward, so suffix's tokens/s per row there, pooled with its 1-row steps,
+    ranks it below n-gram at 1 row although it serves 1-row requests better."""
+    names = ("ngram", "suffix")
+    stats = InProcessStats(StatsConfig(half_life_s=600.0), clock)
+    router = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(exploration="greedy"))
+    for _ in range(400):
+        router.record("suffix", "", AcceptanceStats.served(4, 6, CPU(8, 7), rows=8))
+    for _ in range(100):
+        router.record("ngram", "", AcceptanceStats.served(2, 8, CPU(1, 9)))
+        router.record("suffix", "", AcceptanceStats.served(3, 6, CPU(1, 7)))
+    snap = stats.snapshot()
+    ngram, suffix = (snap[StatsKey(MODEL, p, "")] for p in names)
+    assert suffix.served_tokens_per_s < ngram.served_tokens_per_s  # pooled over batch sizes: the trap
+    assert suffix.served_tokens_per_s_by_batch()[0] > ngram.served_tokens_per_s_by_batch()[0]
+    assert router.decide("auto", batch=1).proposer == "suffix"
+    for batch in (2, 4, 8):  # n-gram has served nothing at these sizes: the α model ranks it, not 1-row figures
+        assert all(p.served is None for p in router.posteriors(["ngram"], "", 8, batch=batch))
+    assert [p.served is not None for p in router.posteriors(list(names), "", 8, batch=12)] == [False, True]
 
 
 def test_proposers_are_ranked_by_what_they_measurably_delivered_per_step_once_they_have_served_enough(clock):

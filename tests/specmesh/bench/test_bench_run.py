@@ -71,3 +71,21 @@ def test_plots_and_summary_are_written(tiny_run):
     for name in ("summary.md", "summary.json", "tokens_per_s.png", "accepted_length.png", "speedup_vs_concurrency.png"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "tokens_per_s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_router_statistics_are_kept_as_each_block_left_them(tiny_run):
+    _, out, _ = tiny_run
+    text = (out / "router_stats.txt").read_text()
+    after_c1, after_c2 = text.split("# after greedy c=2\n")
+    assert after_c1.startswith("# after greedy c=1\n")
+
+    def ngram_served(block: str) -> tuple[float, list[float]]:
+        row = next(r for r in block.split("stats {")[1:] if 'proposer: "ngram"' in r)
+        values = [(k.strip(), float(v)) for k, v in (line.split(":") for line in row.splitlines() if ":" in line)
+                  if k.strip() in ("served_steps", "served_steps_by_batch")]  # fmt: skip
+        by_batch = [v for k, v in values if k == "served_steps_by_batch"]
+        return next(v for k, v in values if k == "served_steps"), by_batch
+
+    total, by_batch = ngram_served(after_c1)
+    assert total > 0 and len(by_batch) == 1 and by_batch[0] == pytest.approx(total)  # 1-row steps only
+    assert ngram_served(after_c2)[0] > total  # the block at 2 streams added its steps
