@@ -2,9 +2,11 @@
 
 The verifier measures, at start-up, the time of one forward over ``rows`` requests each bringing
 ``width`` new tokens (its pending token plus a tree of ``width - 1`` nodes) for several batch
-sizes and widths 1…64 (``StepCost``), and then keeps correcting that table from the timings of
-the steps it really runs (``LiveStepCost``: longer contexts, other processes on the machine).
-The router and the per-step gate know no model, only ``cost(rows, width)``.
+sizes and widths 1…64 after a short context (``StepCost``), what each cached key beyond it adds
+(``ContextCost``: attention runs over the batch's longest context, for every row, at the widest
+row's width), and then keeps correcting that from the timings of the steps it really runs
+(``LiveStepCost``: other processes on the machine). The router and the per-step gate know no
+model, only ``cost(rows, width, widest, context)``.
 
 On a CPU a step of 8 tokens costs about 2x a step of 1, so speculation pays only where enough
 tokens are accepted, and less as the batch grows; on a GPU it is nearly free until the batch is large.
@@ -19,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-CostFn = Callable[[int, int], float]  # (rows, width) → seconds of one verification forward
+CostFn = Callable[..., float]  # (rows, width[, widest[, context]]) → seconds of one verification forward
 
 
 def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
@@ -31,6 +33,31 @@ def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     i = min(bisect.bisect_left(xs, x), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class ContextCost:
+    """What attention over a longer context adds to a forward, past the ``prefix`` its table was
+    measured after: every row reads the batch's longest context (its keys padded to it), and
+    every query of the padded layout (rows × the widest row's width) attends to all of it:
+
+        extra(rows, widest, context) = (context - prefix) · rows · (per_row_key + per_query_key · widest)
+
+    On the 2-core EPYC (8 rows, SmolLM2-135M, fp32): per_row_key ≈ 2.6 µs, per_query_key ≈ 0.8 µs,
+    so a 2,700-token context makes a plain step 1.5x and a width-8 step 1.7x what they cost after
+    128 tokens: a tree is dearer there than the short-context table says.
+
+    >>> ctx = ContextCost(prefix=128, per_row_key=2.6e-6, per_query_key=0.8e-6)
+    >>> round(ctx(8, 1, 2728), 4), round(ctx(8, 8, 2728), 4), ctx(8, 8, 100)
+    (0.0707, 0.1872, 0.0)
+    """
+
+    prefix: int
+    per_row_key: float
+    per_query_key: float
+
+    def __call__(self, rows: int, widest: int, context: int) -> float:
+        return max(context - self.prefix, 0) * rows * (self.per_row_key + self.per_query_key * widest)
 
 
 @dataclass(frozen=True)
@@ -52,6 +79,7 @@ class StepCost:
     rows: tuple[int, ...]  # ascending, starting at 1
     widths: tuple[int, ...]  # ascending, starting at 1
     seconds: tuple[tuple[float, ...], ...]  # [rows][widths measured at that row count]
+    context: ContextCost | None = None  # None: the context's length is not priced
 
     @classmethod
     def by_tokens(cls, tokens: tuple[int, ...], seconds: tuple[float, ...]) -> StepCost:
@@ -62,7 +90,16 @@ class StepCost:
         ys = self.seconds[i]
         return _interp(self.widths[: len(ys)], ys, width)
 
-    def __call__(self, rows: int, width: int) -> float:
+    def __call__(self, rows: int, width: float, widest: float | None = None, context: int | None = None) -> float:
+        """Seconds of a forward over ``rows`` rows of ``width`` tokens each (on average, where steps
+        are packed; ``widest``: the widest row's, default ``width``) after ``context`` cached
+        positions (default: the table's own)."""
+        extra = 0.0
+        if self.context is not None and context is not None:
+            extra = self.context(max(rows, 1), max(widest or width, 1), context)
+        return self._table(rows, width) + extra
+
+    def _table(self, rows: int, width: float) -> float:
         rows, width = max(rows, 1), max(width, 1)
         rs = self.rows
         if rows >= rs[-1]:  # extra rows cost like a wider step at the largest measured batch
@@ -97,11 +134,17 @@ class LiveStepCost:
         self._lock = threading.Lock()  # writers only
 
     @staticmethod
-    def _cell(rows: int, width: int) -> tuple[int, int]:
+    def _cell(rows: int, width: float) -> tuple[int, int]:
         return (round(math.log2(max(rows, 1))), round(math.log2(max(width, 1))))
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        predicted = self.table(rows, width)
+    def at(self, context: int) -> CostFn:
+        """This cost after ``context`` cached positions: ``cost(rows, width, widest=None)``."""
+        return lambda rows, width, widest=None: self(rows, width, widest, context)
+
+    def observe(
+        self, rows: int, width: float, seconds: float, widest: int | None = None, context: int | None = None
+    ) -> None:
+        predicted = self.table(rows, width, widest, context)
         if predicted <= 0 or seconds <= 0:
             return
         ratio = seconds / predicted
@@ -112,13 +155,13 @@ class LiveStepCost:
             old, n = self._cells.get(cell, (self._overall, 0))
             self._cells[cell] = (old + max(a, 1.0 / (n + 1)) * (ratio - old), n + 1)
 
-    def ratio(self, rows: int, width: int) -> float:
+    def ratio(self, rows: int, width: float) -> float:
         """Observed ÷ start-up time for a step of this shape (1.0 before any observation)."""
         ewma, n = self._cells.get(self._cell(rows, width), (self._overall, 0))
         return ewma if n >= self.min_samples else self._overall
 
-    def __call__(self, rows: int, width: int) -> float:
-        return self.table(rows, width) * self.ratio(rows, width)
+    def __call__(self, rows: int, width: float, widest: float | None = None, context: int | None = None) -> float:
+        return self.table(rows, width, widest, context) * self.ratio(rows, width)
 
 
 def choose_width(expected_accepted: list[list[float]], cost: CostFn) -> int:
@@ -176,11 +219,12 @@ def choose_widths(expected_accepted: list[list[float]], cost: CostFn, packed: bo
     """Each row's step width (1 + its tree nodes) with the highest expected goodput for the batch.
 
     Padded steps (``packed`` False): every row pays for the widest, so all take one width
-    (:func:`choose_width`). Packed steps hold only real tokens, so a step of T tokens over r rows
-    costs about what r rows of T / r tokens each do, and rows differ: goodput =
-    Σ_i (1 + E_i(w_i)) / cost(r, Σ_i w_i / r). Rows grow along their hulls (:func:`hull_steps`),
-    the step with the most expected tokens per node first; the best batch seen is kept (a larger
-    one only when it wins by 2 %, as in :func:`choose_width`).
+    (:func:`choose_width`). Packed steps hold only real tokens in the linear layers, so a step of
+    T tokens over r rows costs about what r rows of T / r tokens each do, and rows differ:
+    goodput = Σ_i (1 + E_i(w_i)) / cost(r, Σ_i w_i / r, max_i w_i) (attention still runs padded
+    to the widest). Rows grow along their hulls (:func:`hull_steps`), the step with the most
+    expected tokens per node first; the best batch seen is kept (a larger one only when it wins
+    by 2 %, as in :func:`choose_width`).
 
     >>> dear = StepCost.by_tokens((1, 2, 8, 16), (1.0, 1.8, 2.1, 2.4))    # this CPU
     >>> rows = [[0.0, 0.9, 1.8, 2.7, 3.6, 4.5, 5.4, 6.3], [0.0, 0.1]] + [[0.0]] * 6
@@ -192,22 +236,42 @@ def choose_widths(expected_accepted: list[list[float]], cost: CostFn, packed: bo
     rows = len(expected_accepted)
     if not packed:
         return [choose_width(expected_accepted, cost)] * rows
+    hulls = [hull_steps(e) for e in expected_accepted]
+    best, best_widths = rows / cost(rows, 1), [1] * rows
+    # Every row's attention pays for the widest row (where the context makes that cost), a cost the
+    # greedy order (most tokens per node first) does not see: grow once under each cap on the widest.
+    caps = sorted({w for h in hulls for w, _ in h})
+    if rows == 1 or not caps or cost(rows, 1, caps[-1]) <= cost(rows, 1, 1):
+        caps = caps[-1:]
+    for cap in caps:
+        goodput, widths = _grow(expected_accepted, [[s for s in h if s[0] <= cap] for h in hulls], cost, best)
+        if goodput > best:
+            best, best_widths = goodput, widths
+    return best_widths
+
+
+def _grow(
+    expected: list[list[float]], hulls: list[list[tuple[int, float]]], cost: CostFn, floor: float
+) -> tuple[float, list[int]]:
+    """Rows grown along their hulls, most expected tokens per node first: the best batch seen that
+    beats ``floor`` and each best before it by 2 % (noise must not flip a choice), else
+    (``floor``, every row at width 1)."""
+    rows = len(expected)
     widths = [1] * rows
     gain, tokens = float(rows), rows
-    best, best_widths = gain / cost(rows, 1), list(widths)
-    hulls = [hull_steps(e) for e in expected_accepted]
+    best, best_widths = floor, [1] * rows
     heap = [(-h[0][1], i, 0) for i, h in enumerate(hulls) if h]  # (−gain per node, row, step index)
     heapq.heapify(heap)
     while heap:
         _, i, j = heapq.heappop(heap)
         w, _ = hulls[i][j]
-        e = expected_accepted[i]
+        e = expected[i]
         gain += e[w - 1] - e[widths[i] - 1]
         tokens += w - widths[i]
         widths[i] = w
-        goodput = gain / cost(rows, tokens / rows)
-        if goodput > best * 1.02:  # a clear win only: measurement noise must not flip it
+        goodput = gain / cost(rows, tokens / rows, max(widths))
+        if goodput > best * 1.02:
             best, best_widths = goodput, list(widths)
         if j + 1 < len(hulls[i]):
             heapq.heappush(heap, (-hulls[i][j + 1][1], i, j + 1))
-    return best_widths
+    return best, best_widths

@@ -21,8 +21,10 @@ measurably delivered per step, every step its requests spent on it counted, gate
 
     served(p) = Σ tokens / Σ (seconds_s + wait_s)
 
-over the steps s of p's requests (decayed sums): tokens emitted; the step's measured time (the
-forward and acceptance) and the verifier's wait for trees. Measured, not priced by the cost
+over the steps s of p's requests in batches of the size decided for (``BATCH_BUCKETS``: a row's
+step costs the whole batch's forward, so figures from 8-row steps do not rank 1-row requests)
+(decayed sums): tokens emitted; the step's measured time (the forward and acceptance) and the
+verifier's wait for trees. Measured, not priced by the cost
 model: a step's cost is far from linear in its width, and a start-up table off by a few
 milliseconds at one width moves a ranking between proposers a tenth apart. The α chain is a model of
 chains; a proposer of wide trees sized by its own probabilities (suffix) is not one, and the

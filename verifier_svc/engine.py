@@ -393,7 +393,7 @@ class Engine:
         logprobs = step_logprobs([s.req for s in seqs], logits, drawn)
         elapsed = time.perf_counter() - t0
         if self.speculation.step_cost is not None:  # the cost model follows what steps really take here
-            self.speculation.step_cost.observe(len(seqs), computed / len(seqs), elapsed)
+            self.speculation.step_cost.observe(len(seqs), computed / len(seqs), elapsed, width, step.mask.shape[-1])
         self.stats.steps += 1
         if self.metrics is not None:
             self.metrics.step("decode", elapsed, computed, len(seqs))

@@ -393,9 +393,16 @@ def load_target(config: VerifierConfig) -> LoadedTarget:
             f"{r}×[" + " ".join(f"{s / table.seconds[0][0]:.1f}" for s in row) + "]"
             for r, row in zip(table.rows, table.seconds, strict=True)
         )
+        ctx = table.context
+        context = (
+            f"per cached key past {ctx.prefix}: {ctx.per_row_key * 1e6:.2f} µs per row + "
+            f"{ctx.per_query_key * 1e6:.2f} µs per query"
+            if ctx is not None
+            else "context length not priced"
+        )
         print(
             f"verifier: step cost (rows×[widths {', '.join(map(str, table.widths))}], vs 1×1 = "
-            f"{table.seconds[0][0] * 1e3:.1f} ms) {widths}; measured in {time.perf_counter() - t1:.1f} s",
+            f"{table.seconds[0][0] * 1e3:.1f} ms) {widths}; {context}; measured in {time.perf_counter() - t1:.1f} s",
             flush=True,
         )
     return LoadedTarget(lm, runner, max_context, kv_tokens, step_cost)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from specmesh.server.tree import TokenTree, depths, follow, truncate
 from specmesh.v1 import proposer_pb2
-from specmesh_router.cost_model import LiveStepCost, choose_widths
+from specmesh_router.cost_model import CostFn, LiveStepCost, choose_widths
 from specmesh_router.estimate import RequestEstimate, expected_accepted, levels_sample
 from specmesh_router.stats import AcceptanceStats
 from verifier_svc.events import EngineStats, ProposerCounts, SpecCounters
@@ -279,7 +279,7 @@ class SpeculationControl:
                 expected_accepted(s.spec.estimate.alphas(s.spec.session.limits.max_depth)) if s.spec.session else [0.0]
                 for s in seqs
             ]
-            if max(choose_widths(chains, self.step_cost, self.config.packed_steps)) == 1:
+            if max(choose_widths(chains, self._cost(seqs), self.config.packed_steps)) == 1:
                 promising = []
         wanted = [(s.spec.session, s.context_length) for s in promising]
         waited = wait_for_trees(self.trees_arrived, wanted, self.config.proposer_wait_ms / 1e3) if wanted else 0.0
@@ -317,11 +317,16 @@ class SpeculationControl:
             trees = self._gate(seqs, trees)
         return trees
 
+    def _cost(self, seqs: list[Sequence]) -> CostFn:
+        """The step cost after this batch's longest context: attention reads it for every row."""
+        assert self.step_cost is not None
+        return self.step_cost.at(max(s.length for s in seqs) + 1)
+
     def _gate(self, seqs: list[Sequence], trees: list[TokenTree]) -> list[TokenTree]:
         """Cut every tree to its row's best step width (maybe 1: no speculation for it this step):
         one width for the batch where steps are padded, one per row where they are packed."""
         expected = [seq.spec.expected(tree) for seq, tree in zip(seqs, trees, strict=True)]
-        widths = choose_widths(expected, self.step_cost, self.config.packed_steps)
+        widths = choose_widths(expected, self._cost(seqs), self.config.packed_steps)
         out = []
         for seq, tree, width in zip(seqs, trees, widths, strict=True):
             if len(tree) > width - 1:

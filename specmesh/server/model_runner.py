@@ -15,7 +15,7 @@ import torch
 
 from specmesh.server import attention, packed_linear
 from specmesh.server.kv_cache import SlotKVCache
-from specmesh_router.cost_model import StepCost
+from specmesh_router.cost_model import ContextCost, StepCost
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -182,4 +182,56 @@ def measure_step_cost(
         for j in range(len(seconds)):
             floor = max(seconds[j - 1] if j else 0.0, table[i - 1][j] if i and j < len(table[i - 1]) else 0.0)
             seconds[j] = max(seconds[j], floor)
-    return StepCost(tuple(rows), tuple(widths), tuple(tuple(s) for s in table))
+    return StepCost(tuple(rows), tuple(widths), tuple(tuple(s) for s in table), measure_context_cost(runner, prefix))
+
+
+def measure_context_cost(
+    runner: ModelRunner,
+    prefix: int = 128,
+    longer: int = 960,  # with the widest query, within 1,024 positions (a power-of-two allocation)
+    rows: int = 1,
+    widths: tuple[int, int] = (1, 32),
+    repeats: int = 3,
+) -> ContextCost | None:
+    """Fit ``ContextCost`` from forwards of ``rows`` rows × each of ``widths`` after ``prefix`` and
+    after ``longer`` cached positions (best of ``repeats``): the difference per row and key at
+    width 1, and its growth per query. None where the cache holds no context that much longer.
+
+    No prefill: the forwards attend to whatever the cache holds (zeros past what the table's
+    measurement wrote), which costs the same as a real context."""
+    import time
+
+    dev = runner.device
+    cache, room = runner.cache, max(widths) + 1
+    if cache.seq_limit is not None:
+        longer = min(longer, cache.seq_limit - room)
+    if cache.token_budget is not None:  # every allocated slot grows to the longest row's positions
+        slots = max(rows, cache.keys[0].shape[0] if cache.keys else 0)
+        longer = min(longer, cache.token_budget // slots - room)
+    if longer < prefix + 256:
+        return None
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(at: int, w: int) -> float:
+        pos = torch.arange(at, at + w, device=dev)[None].expand(rows, w)
+        mask = causal_mask(pos, at + w)
+        best = float("inf")
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            runner.logits(runner.forward(slice(0, rows), ids[:, at : at + w], pos, mask))
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    with torch.inference_mode():
+        ids = torch.randint(0, runner.vocab_size, (rows, longer + max(widths)), device=dev)
+        cache.reserve(rows, longer + room)  # zeros: attention costs what it costs whatever the keys hold
+        (w1, w2), keys = widths, longer - prefix
+        d1, d2 = (timed(longer, w) - timed(prefix, w) for w in widths)
+    per_query_key = max((d2 - d1) / (rows * keys * (w2 - w1)), 0.0)
+    per_row_key = max(d1 / (rows * keys) - per_query_key * w1, 0.0)
+    return ContextCost(prefix, per_row_key, per_query_key)

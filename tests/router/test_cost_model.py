@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+from dataclasses import replace
 
-from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width, choose_widths, hull_steps
+from specmesh_router.cost_model import ContextCost, LiveStepCost, StepCost, choose_width, choose_widths, hull_steps
+from specmesh_router.estimate import expected_accepted
 
 # Shaped like this CPU's start-up table (ms): one row's cost rises slowly with width, eight rows' fast.
 TABLE = StepCost(
@@ -116,3 +118,31 @@ def test_at_eight_rows_packed_steps_verify_the_one_good_tree_that_padded_steps_m
     widths = choose_widths(curves, TABLE, packed=True)
     assert widths[0] > 4 and widths[1:] == [1] * 7
     assert [w for w, _ in hull_steps(good)] == [2, 3, 4, 5, 6, 7, 8]  # concave already: node by node
+
+
+# As measured on the 2-core EPYC (ms per cached key past the table's 128): every row reads the
+# batch's longest context, every query of the padded layout (rows × widest) attends to all of it.
+LONG = replace(TABLE, context=ContextCost(128, 3.4e-3, 0.6e-3))
+
+
+def test_a_long_context_prices_every_row_at_the_widest_rows_width():
+    assert LONG(8, 4) == TABLE(8, 4) and LONG(8, 4, context=128) == TABLE(8, 4)  # the table's own context
+    plain, wide = LONG(8, 1, context=2728), LONG(8, 2, widest=9, context=2728)  # one row of 9, seven of 1
+    assert plain == TABLE(8, 1) + 2600 * 8 * 4.0e-3
+    assert wide - TABLE(8, 2) == 2600 * 8 * (3.4e-3 + 9 * 0.6e-3)  # attention as if all rows were 9 wide
+
+
+def test_the_gate_keeps_one_row_from_widening_the_whole_batchs_attention_at_a_long_context():
+    strong = expected_accepted([0.8] * 15)  # one row's chain that pays for its nodes on its own
+    rows = [strong] + [[0.0, 0.5, 0.8]] * 7
+    live = LiveStepCost(LONG)
+    short, long = choose_widths(rows, live.at(100), packed=True), choose_widths(rows, live.at(2700), packed=True)
+    assert short[0] > max(short[1:]) and min(short[1:]) >= 2  # after 100 tokens: the good row grows past the rest
+    assert max(long) == 3 and min(long) == 3  # after 2,700 its width would cost all eight rows' attention
+
+
+def test_live_steps_at_a_long_context_are_predicted_not_learnt_as_a_slower_machine():
+    live = LiveStepCost(LONG, smoothing=0.3, min_samples=1)
+    for _ in range(10):
+        live.observe(8, 2, LONG(8, 2, widest=9, context=2728), widest=9, context=2728)
+    assert live.ratio(8, 2) == 1.0 and live(8, 1) == TABLE(8, 1)  # short contexts keep their price

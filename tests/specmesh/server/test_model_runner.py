@@ -10,7 +10,7 @@ import support
 import torch
 
 from specmesh.server.attention import Packing
-from specmesh.server.model_runner import ModelRunner
+from specmesh.server.model_runner import ModelRunner, measure_context_cost
 from specmesh.server.tree import TokenTree
 from verifier_svc.step_inputs import decode_inputs, prefill_inputs, unpadded
 
@@ -63,3 +63,12 @@ def test_a_packed_tree_step_gives_the_padded_steps_states_and_cache(tiny_llama, 
     # Negative control: the packed forward obeys the mask (a wrong one changes that node's state).
     faulty, _ = _tree_step(runners[2], packed=True, mask_fault=True)
     assert (faulty[3] - packed[0][3]).abs().max() > 1e-3
+
+
+def test_what_a_longer_context_adds_is_measured_where_the_cache_holds_one(tiny_llama):
+    long = ModelRunner(copy.deepcopy(tiny_llama), torch.device("cpu"), torch.float32, 2048)
+    ctx = measure_context_cost(long, repeats=1)
+    assert ctx is not None and ctx.prefix == 128 and ctx.per_row_key >= 0 and ctx.per_query_key >= 0
+    assert long.cache.seq_capacity <= 1024  # a power-of-two allocation, not the model's whole context
+    short = ModelRunner(copy.deepcopy(tiny_llama), torch.device("cpu"), torch.float32, 256)
+    assert measure_context_cost(short) is None  # no context much longer than the table's: not priced
