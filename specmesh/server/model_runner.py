@@ -149,34 +149,16 @@ def measure_step_cost(
     Runs in slots 0..max(rows)-1 of an empty cache at start-up (a few seconds on a CPU); the
     engine then corrects the table from live steps (``router.cost_model.LiveStepCost``).
     """
-    import time
-
     dev = runner.device
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
     with torch.inference_mode():
         top = max(rows)
         ids = torch.randint(0, runner.vocab_size, (top, prefix + max(widths)), device=dev)
         pos = torch.arange(prefix, device=dev)[None].expand(top, prefix)
         runner.forward(slice(0, top), ids[:, :prefix], pos, causal_mask(pos, prefix))
-        table = []
-        for r in rows:
-            seconds = []
-            for w in (w for w in widths if r * w <= max(max_tokens, r)):
-                pos = torch.arange(prefix, prefix + w, device=dev)[None].expand(r, w)
-                mask = causal_mask(pos, prefix + w)
-                best = float("inf")
-                for _ in range(repeats):
-                    sync()
-                    t0 = time.perf_counter()
-                    runner.logits(runner.forward(slice(0, r), ids[:r, prefix : prefix + w], pos, mask))
-                    sync()
-                    best = min(best, time.perf_counter() - t0)
-                seconds.append(best)
-            table.append(seconds)
+        table = [
+            [_timed_forward(runner, ids[:r], prefix, w, repeats) for w in widths if r * w <= max(max_tokens, r)]
+            for r in rows
+        ]
     # Costs never fall with more tokens or more rows; noise must not say otherwise.
     for i, seconds in enumerate(table):
         for j in range(len(seconds)):
@@ -199,8 +181,6 @@ def measure_context_cost(
 
     No prefill: the forwards attend to whatever the cache holds (zeros past what the table's
     measurement wrote), which costs the same as a real context."""
-    import time
-
     dev = runner.device
     cache, room = runner.cache, max(widths) + 1
     if cache.seq_limit is not None:
@@ -211,27 +191,34 @@ def measure_context_cost(
     if longer < prefix + 256:
         return None
 
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
-    def timed(at: int, w: int) -> float:
-        pos = torch.arange(at, at + w, device=dev)[None].expand(rows, w)
-        mask = causal_mask(pos, at + w)
-        best = float("inf")
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            runner.logits(runner.forward(slice(0, rows), ids[:, at : at + w], pos, mask))
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
     with torch.inference_mode():
         ids = torch.randint(0, runner.vocab_size, (rows, longer + max(widths)), device=dev)
         cache.reserve(rows, longer + room)  # zeros: attention costs what it costs whatever the keys hold
         (w1, w2), keys = widths, longer - prefix
-        d1, d2 = (timed(longer, w) - timed(prefix, w) for w in widths)
+        d1, d2 = (
+            _timed_forward(runner, ids, longer, w, repeats) - _timed_forward(runner, ids, prefix, w, repeats)
+            for w in widths
+        )
     per_query_key = max((d2 - d1) / (rows * keys * (w2 - w1)), 0.0)
     per_row_key = max(d1 / (rows * keys) - per_query_key * w1, 0.0)
     return ContextCost(prefix, per_row_key, per_query_key)
+
+
+def _timed_forward(runner: ModelRunner, ids: torch.Tensor, at: int, width: int, repeats: int) -> float:
+    """Best of ``repeats`` seconds of one forward (and its logits) over rows 0..len(ids) - 1, each
+    bringing ``ids[:, at : at + width]`` after ``at`` cached positions."""
+    import time
+
+    dev, rows = runner.device, ids.shape[0]
+    pos = torch.arange(at, at + width, device=dev)[None].expand(rows, width)
+    mask = causal_mask(pos, at + width)
+    best = float("inf")
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.logits(runner.forward(slice(0, rows), ids[:, at : at + width], pos, mask))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
