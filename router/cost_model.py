@@ -15,6 +15,7 @@ tokens are accepted, and less as the batch grows; on a GPU it is nearly free unt
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 import threading
@@ -237,25 +238,33 @@ def choose_widths(expected_accepted: list[list[float]], cost: CostFn, packed: bo
     if not packed:
         return [choose_width(expected_accepted, cost)] * rows
     hulls = [hull_steps(e) for e in expected_accepted]
-    best, best_widths = rows / cost(rows, 1), [1] * rows
+
+    @functools.cache
+    def step(tokens: int, widest: int) -> float:  # the growths under each cap price the same steps
+        return cost(rows, tokens / rows, widest)
+
+    best, best_widths = rows / step(rows, 1), [1] * rows
     # Every row's attention pays for the widest row (where the context makes that cost), a cost the
     # greedy order (most tokens per node first) does not see: grow once under each cap on the widest.
     caps = sorted({w for h in hulls for w, _ in h})
-    if rows == 1 or not caps or cost(rows, 1, caps[-1]) <= cost(rows, 1, 1):
+    if rows == 1 or not caps or step(rows, caps[-1]) <= step(rows, 1):
         caps = caps[-1:]
     for cap in caps:
-        goodput, widths = _grow(expected_accepted, [[s for s in h if s[0] <= cap] for h in hulls], cost, best)
+        goodput, widths = _grow(expected_accepted, [[s for s in h if s[0] <= cap] for h in hulls], step, best)
         if goodput > best:
             best, best_widths = goodput, widths
     return best_widths
 
 
 def _grow(
-    expected: list[list[float]], hulls: list[list[tuple[int, float]]], cost: CostFn, floor: float
+    expected: list[list[float]],
+    hulls: list[list[tuple[int, float]]],
+    step: Callable[[int, int], float],
+    floor: float,
 ) -> tuple[float, list[int]]:
     """Rows grown along their hulls, most expected tokens per node first: the best batch seen that
     beats ``floor`` and each best before it by 2 % (noise must not flip a choice), else
-    (``floor``, every row at width 1)."""
+    (``floor``, every row at width 1). ``step(tokens, widest)``: seconds of the batch's step."""
     rows = len(expected)
     widths = [1] * rows
     gain, tokens = float(rows), rows
@@ -269,7 +278,7 @@ def _grow(
         gain += e[w - 1] - e[widths[i] - 1]
         tokens += w - widths[i]
         widths[i] = w
-        goodput = gain / cost(rows, tokens / rows, max(widths))
+        goodput = gain / step(tokens, max(widths))
         if goodput > best * 1.02:
             best, best_widths = goodput, list(widths)
         if j + 1 < len(hulls[i]):
