@@ -33,7 +33,7 @@ class Served:
 
     >>> s = AcceptanceStats.served(3, 6, 0.08) + AcceptanceStats.served(1, 0, 0.06)
     >>> Served.of(s, min_steps=2, rows=1)
-    Served(tokens=2.0, nodes=3.0, seconds=0.07, steps=2.0)
+    Served(tokens=2.0, nodes=3.0, seconds=0.07, steps=2.0, trees=0.5)
     >>> Served.of(s, min_steps=2, rows=8) is None    # nothing served in batches of 8
     True
     >>> Served.of(AcceptanceStats.served(3, 6, 0.08), min_steps=2, rows=1) is None    # too little to go by
@@ -44,15 +44,44 @@ class Served:
     nodes: float
     seconds: float
     steps: float  # decayed steps behind the means
+    trees: float = 1.0  # share of those steps that verified a tree
 
     @classmethod
     def of(cls, stats: AcceptanceStats | None, min_steps: float, rows: int) -> Served | None:
         if stats is None:
             return None
-        n, tokens, nodes, seconds = stats.served_in(batch_bucket(rows))
+        n, tokens, nodes, trees, seconds = stats.served_in(batch_bucket(rows))
         if n < min_steps or n <= 0:
             return None
-        return cls(tokens / n, nodes / n, seconds / n, n)
+        return cls(tokens / n, nodes / n, seconds / n, n, trees / n)
+
+    def at_coverage(self, trees: float, plain_s: float) -> Served:
+        """What the proposer serves a request whose steps verify a tree at share ``trees``: a step
+        without one emits 1 token for a plain step (``plain_s``), so only the part above that scales,
+        by trees / self.trees:
+
+            tokens' = 1 + (tokens - 1) · r,   seconds' = plain_s + (seconds - plain_s) · r
+
+        How often a proposer has a tree is what a request tells apart from the others' average and
+        knows its own (prompt lookup finds nothing to copy in a prompt with nothing to copy); how
+        hard its text is, it cannot: that would lower every proposer alike.
+
+        >>> s = Served(tokens=3.0, nodes=8.0, seconds=0.05, steps=500.0, trees=0.8)
+        >>> t = s.at_coverage(0.2, plain_s=0.04)    # a request whose trees come a quarter as often
+        >>> round(t.tokens, 2), round(t.seconds, 4), round(s.tokens / s.seconds), round(t.tokens / t.seconds)
+        (1.5, 0.0425, 60, 35)
+        """
+        if self.trees <= 0:
+            return self
+        r = trees / self.trees
+        plain_s = min(plain_s, self.seconds)
+        return replace(
+            self,
+            tokens=1.0 + (self.tokens - 1.0) * r,
+            nodes=self.nodes * r,
+            seconds=plain_s + (self.seconds - plain_s) * r,
+            trees=trees,
+        )
 
 
 @dataclass(frozen=True)
@@ -164,6 +193,8 @@ class RequestEstimate:
     keep: float = 0.7  # weight left to older evidence (and the prior) per observation
     seen: AcceptanceStats = field(default_factory=AcceptanceStats)
     weight: float = field(init=False)  # the prior's current weight
+    steps: int = 0  # steps the request spent on the proposer, with a tree or not
+    trees: int = 0  # of those, steps that verified one of its trees
 
     def __post_init__(self) -> None:
         self.weight = self.strength
@@ -180,6 +211,28 @@ class RequestEstimate:
         """A step the proposer had no tree for: counted for its coverage, without aging the
         per-depth evidence (the gate's α's say what a tree is worth when there is one)."""
         self.seen = self.seen + AcceptanceStats.no_tree()
+
+    def count_step(self, tree: bool) -> None:
+        """A step the request spent on the proposer: ``tree`` if it verified one of its trees."""
+        self.steps += 1
+        self.trees += tree
+
+    def served(self, base: Posterior, plain_s: float, weight: float = 4.0) -> Posterior:
+        """``base`` (the shared posterior of the same proposer) with its measured figures at this
+        request's share of steps with a tree (``Served.at_coverage``), that share shrunk toward the
+        shared one by ``weight`` steps.
+
+        >>> base = Posterior("ngram", (4.0,), (4.0,), served=Served(3.0, 8.0, 0.05, 500.0, trees=0.8))
+        >>> est = RequestEstimate((0.5,))
+        >>> for tree in [True] + [False] * 11:    # one tree in 12 steps: nothing in the prompt to copy
+        ...     est.count_step(tree)
+        >>> round(est.served(base, plain_s=0.04).served.trees, 2)
+        0.26
+        """
+        if base.served is None or not self.steps:
+            return base
+        trees = (self.trees + weight * base.served.trees) / (self.steps + weight)
+        return replace(base, served=base.served.at_coverage(trees, plain_s))
 
     def posterior(self, base: Posterior, depth: int) -> Posterior:
         """This request's Beta per depth for the router's k, the ends of the proposer's trees

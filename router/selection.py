@@ -317,8 +317,12 @@ class Router:
         the shared statistics' means and beats what the request's own estimate promises: that
         estimate follows the request's last few steps and knows nothing of the others, so alone
         against their pooled posteriors it would move a request off its proposer whenever its text
-        turns hard for a while, where the others fare no better on average. A request that stays
-        gets its k from its estimate, so the k chosen and the verifier's width gate read one model."""
+        turns hard for a while, where the others fare no better on average. What the request does
+        tell apart is how often ``current`` has a tree for it: the shared figures of ``current``
+        enter at the request's own share of steps with a tree (``RequestEstimate.served``), so a
+        request that prompt lookup finds nothing to copy for moves to a proposer that has trees.
+        A request that stays gets its k from its estimate, so the k chosen and the verifier's
+        width gate read one model."""
         policy = self.policy.get()
         available = tuple(n for n in self.available if n not in exclude)
         names, why = candidates(requested, policy, available)
@@ -330,8 +334,10 @@ class Router:
         steps = self.step_time, max(batch, 1), cap
         if estimate is not None and current in names:
             means = replace(self.config, exploration="greedy")
+            plain_s = self.step_time(max(batch, 1), 1)
+            shared = [estimate.served(p, plain_s) if p.proposer == current else p for p in posts]
             mine = [estimate.posterior(p, cap) if p.proposer == current else p for p in posts]
-            pooled, own = choose(posts, *steps, means, None, current), choose(mine, *steps, means, None, current)
+            pooled, own = choose(shared, *steps, means, None, current), choose(mine, *steps, means, None, current)
             if pooled.proposer == own.proposer != current and own.speculate:
                 return own
             return choose([p for p in mine if p.proposer == current], *steps, means, None, current)

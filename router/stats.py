@@ -69,6 +69,7 @@ class AcceptanceStats:
     served_steps: tuple[float, ...] = ()
     served_tokens: tuple[float, ...] = ()  # tokens those steps emitted (accepted + bonus)
     served_nodes: tuple[float, ...] = ()  # draft nodes those steps verified
+    served_trees: tuple[float, ...] = ()  # those steps that verified a tree (the others emitted one token)
     served_s: tuple[float, ...] = ()  # what those steps took, measured: forward with acceptance + the wait for trees
 
     @classmethod
@@ -108,6 +109,7 @@ class AcceptanceStats:
             _add(self.served_steps, other.served_steps),
             _add(self.served_tokens, other.served_tokens),
             _add(self.served_nodes, other.served_nodes),
+            _add(self.served_trees, other.served_trees),
             _add(self.served_s, other.served_s),
         )
 
@@ -125,6 +127,7 @@ class AcceptanceStats:
             tuple(x * f for x in self.served_steps),
             tuple(x * f for x in self.served_tokens),
             tuple(x * f for x in self.served_nodes),
+            tuple(x * f for x in self.served_trees),
             tuple(x * f for x in self.served_s),
         )
 
@@ -142,18 +145,24 @@ class AcceptanceStats:
         def at_b(v: float) -> tuple[float, ...]:  # dense, as long as its last non-zero (as from_fields reads it)
             return (0.0,) * b + (float(v),) if v else ()
 
-        return cls(served_steps=at_b(1), served_tokens=at_b(tokens), served_nodes=at_b(nodes), served_s=at_b(seconds))
+        return cls(
+            served_steps=at_b(1),
+            served_tokens=at_b(tokens),
+            served_nodes=at_b(nodes),
+            served_trees=at_b(1 if nodes else 0),
+            served_s=at_b(seconds),
+        )
 
-    def served_in(self, bucket: int | None = None) -> tuple[float, float, float, float]:
-        """(steps, tokens, nodes, seconds) served in batches of ``bucket``, or in all (None)."""
-        sums = (self.served_steps, self.served_tokens, self.served_nodes, self.served_s)
+    def served_in(self, bucket: int | None = None) -> tuple[float, float, float, float, float]:
+        """(steps, tokens, nodes, trees, seconds) served in batches of ``bucket``, or in all (None)."""
+        sums = (self.served_steps, self.served_tokens, self.served_nodes, self.served_trees, self.served_s)
         if bucket is None:
             return tuple(sum(xs) for xs in sums)  # type: ignore[return-value]
         return tuple(value_at(xs, bucket) for xs in sums)  # type: ignore[return-value]
 
     @property
     def served_tokens_per_step(self) -> float:
-        steps, tokens, _, _ = self.served_in()
+        steps, tokens, *_ = self.served_in()
         return tokens / steps if steps else 0.0
 
     @property
@@ -164,7 +173,7 @@ class AcceptanceStats:
         >>> round((AcceptanceStats.served(3, 6, 0.08) + AcceptanceStats.served(1, 0, 0.06)).served_tokens_per_s, 2)
         28.57
         """
-        _, tokens, _, seconds = self.served_in()
+        _, tokens, _, _, seconds = self.served_in()
         return tokens / seconds if seconds else 0.0
 
     def served_tokens_per_s_by_batch(self) -> list[float]:
@@ -241,7 +250,7 @@ class AcceptanceStats:
         return cls(**scalars, hits=_dense(hits), trials=_dense(trials), ends=_dense(ends), **served)
 
 
-SERVED_FIELDS = ("served_steps", "served_tokens", "served_nodes", "served_s")
+SERVED_FIELDS = ("served_steps", "served_tokens", "served_nodes", "served_trees", "served_s")
 
 
 def batch_bucket(rows: int) -> int:

@@ -373,6 +373,7 @@ class SpeculationControl:
             if spec.session is not None or len(tree):  # the step as the request got it
                 served = AcceptanceStats.served(len(emitted), len(tree), seconds + self.last_wait, len(seqs))
                 add(samples, (spec.counters.proposer, tag), served)
+                spec.estimate.count_step(bool(len(tree)))
             if spec.shadow is not None and not len(tree):
                 shadow = spec.follow_shadow(emitted)
                 if shadow is not None:

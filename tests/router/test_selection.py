@@ -295,3 +295,44 @@ def test_proposers_are_ranked_by_what_they_measurably_delivered_per_step_once_th
     clock.advance(40.0)  # two half-lives unused: too few steps left to go by, so the model ranks again
     assert all(p.served is None for p in greedy.posteriors(["ngram", "suffix"], "qa", 8))
     assert greedy.decide("auto", "qa").proposer == "ngram"  # n-gram is retried
+
+
+def test_mid_request_a_request_its_proposer_rarely_has_a_tree_for_moves_to_one_that_serves_as_well_on_average(clock):
+    """Prompt lookup and suffix serve a category about equally (n-gram's trees come 60% of steps,
+    within the switch margin of suffix's), so a request stays where exploration put it, unless
+    its own steps show its proposer has a tree for it far less often than for the others: a prompt
+    with nothing to copy. Then the shared figures of n-gram, taken at the request's share of steps
+    with a tree, fall below suffix's and it moves (while its own estimate agrees)."""
+    from specmesh_router.estimate import levels_sample
+
+    names = ("ngram", "suffix")
+    stats = InProcessStats(StatsConfig(half_life_s=600.0), clock)
+    router = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(exploration="thompson", seed=1))
+    rng = random.Random(5)
+    for _ in range(400):
+        if rng.random() < 0.6:
+            router.record("ngram", "", AcceptanceStats.of_step(8, 4, True) + AcceptanceStats.served(5, 8, CPU(1, 9)))
+        else:
+            router.record("ngram", "", AcceptanceStats.no_tree() + AcceptanceStats.served(1, 0, CPU(1, 1)))
+        router.record("suffix", "", AcceptanceStats.of_step(6, 2, True) + AcceptanceStats.served(4.15, 6, CPU(1, 7)))
+        clock.advance(0.1)
+    ngram, suffix = (p.served for p in router.posteriors(list(names), "", 8))
+    assert ngram.tokens / ngram.seconds < suffix.tokens / suffix.seconds < 1.05 * ngram.tokens / ngram.seconds
+
+    def request_on_ngram(trees: int, steps: int = 16):
+        est = router.estimate("ngram")
+        for i in range(steps):
+            if i < trees:
+                est.observe(levels_sample(0, 4, rejected=True))
+            else:
+                est.observe_no_tree()
+            est.count_step(i < trees)
+        return {router.decide("auto", current="ngram", estimate=est).proposer for _ in range(10)}
+
+    assert request_on_ngram(trees=15) == {"ngram"}  # trees as often as anywhere: within the margin, it stays
+    assert request_on_ngram(trees=2) == {"suffix"}  # 2 trees in 16 steps: it moves
+    # Negative control: the shared figures alone (the rule before) keep it on n-gram.
+    est = router.estimate("ngram")
+    for i in range(16):
+        est.observe(levels_sample(0, 4, rejected=True)) if i < 2 else est.observe_no_tree()
+    assert router.decide("auto", current="ngram", estimate=est).proposer == "ngram"

@@ -142,11 +142,12 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
     assert got.finish.steps < 48, f"{got.finish.steps} steps for 64 tokens"  # well under one token per step
     stats = router.stats.snapshot()[StatsKey("lm", "ngram", "")]
     assert len(stats.served_steps) == 1  # all of it in batches of one row
-    steps, tokens, nodes, seconds = stats.served_in(0)
+    steps, tokens, nodes, trees, seconds = stats.served_in(0)
     assert steps == pytest.approx(got.finish.steps)  # every step, with a tree or not
     # Accepted + a bonus per step (before the request's end cuts the last step's: what the step gave).
     assert tokens == pytest.approx(got.finish.steps + spec.accepted) and tokens >= 63
     assert nodes == pytest.approx(spec.drafted)  # verified nodes only, not skipped ones
+    assert trees == pytest.approx(spec.steps)  # the steps that verified a tree
     assert 0 < seconds < elapsed  # the steps' measured time, within the request's
 
 
