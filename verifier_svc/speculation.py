@@ -242,7 +242,7 @@ def expected_by_width(
 class SpeculationConfig:
     proposer_wait_ms: float = 5.0  # per step, the longest wait for a request's tree
     proposer_timeout_s: float = 2.0  # no answer for this long → speculation off for the request
-    redecide_steps: int = 16  # the router revisits a request's proposer and k this often (steps)
+    redecide_steps: int = 8  # the router revisits a request's proposer and k this often (steps)
     recent_tokens: int = 32  # how far a late tree may be re-rooted (greedy requests)
     packed_steps: bool = True  # steps hold real tokens only (each row pays for its own tree): the gate sizes rows apart
 
