@@ -44,7 +44,7 @@ class Served:
     nodes: float
     seconds: float
     steps: float  # decayed steps behind the means
-    trees: float = 1.0  # share of those steps that verified a tree
+    trees: float = 1.0  # share of those steps the proposer had a tree for (verified or cut by the gate)
 
     @classmethod
     def of(cls, stats: AcceptanceStats | None, min_steps: float, rows: int) -> Served | None:
@@ -56,9 +56,9 @@ class Served:
         return cls(tokens / n, nodes / n, seconds / n, n, trees / n)
 
     def at_coverage(self, trees: float, plain_s: float) -> Served:
-        """What the proposer serves a request whose steps verify a tree at share ``trees``: a step
-        without one emits 1 token for a plain step (``plain_s``), so only the part above that scales,
-        by trees / self.trees:
+        """What the proposer serves a request it has a tree for at share ``trees`` of its steps: a
+        step without one emits 1 token for a plain step (``plain_s``), so only the part above that
+        scales, by trees / self.trees:
 
             tokens' = 1 + (tokens - 1) · r,   seconds' = plain_s + (seconds - plain_s) · r
 
@@ -194,7 +194,7 @@ class RequestEstimate:
     seen: AcceptanceStats = field(default_factory=AcceptanceStats)
     weight: float = field(init=False)  # the prior's current weight
     steps: int = 0  # steps the request spent on the proposer, with a tree or not
-    trees: int = 0  # of those, steps that verified one of its trees
+    trees: int = 0  # of those, steps it had a tree for (verified or cut by the gate)
 
     def __post_init__(self) -> None:
         self.weight = self.strength
@@ -213,21 +213,22 @@ class RequestEstimate:
         self.seen = self.seen + AcceptanceStats.no_tree()
 
     def count_step(self, tree: bool) -> None:
-        """A step the request spent on the proposer: ``tree`` if it verified one of its trees."""
+        """A step the request spent on the proposer: ``tree`` if the proposer had one for it (verified
+        or cut by the gate: a cut says how dear the batch's step is, not what the proposer can do)."""
         self.steps += 1
         self.trees += tree
 
-    def served(self, base: Posterior, plain_s: float, weight: float = 4.0) -> Posterior:
+    def served(self, base: Posterior, plain_s: float, weight: float = 8.0) -> Posterior:
         """``base`` (the shared posterior of the same proposer) with its measured figures at this
-        request's share of steps with a tree (``Served.at_coverage``), that share shrunk toward the
-        shared one by ``weight`` steps.
+        request's share of steps it had a tree for (``Served.at_coverage``), that share shrunk toward
+        the shared one by ``weight`` steps.
 
         >>> base = Posterior("ngram", (4.0,), (4.0,), served=Served(3.0, 8.0, 0.05, 500.0, trees=0.8))
         >>> est = RequestEstimate((0.5,))
         >>> for tree in [True] + [False] * 11:    # one tree in 12 steps: nothing in the prompt to copy
         ...     est.count_step(tree)
         >>> round(est.served(base, plain_s=0.04).served.trees, 2)
-        0.26
+        0.37
         """
         if base.served is None or not self.steps:
             return base

@@ -69,7 +69,7 @@ class AcceptanceStats:
     served_steps: tuple[float, ...] = ()
     served_tokens: tuple[float, ...] = ()  # tokens those steps emitted (accepted + bonus)
     served_nodes: tuple[float, ...] = ()  # draft nodes those steps verified
-    served_trees: tuple[float, ...] = ()  # those steps that verified a tree (the others emitted one token)
+    served_trees: tuple[float, ...] = ()  # those steps the proposer had a tree for (verified or cut by the gate)
     served_s: tuple[float, ...] = ()  # what those steps took, measured: forward with acceptance + the wait for trees
 
     @classmethod
@@ -132,10 +132,13 @@ class AcceptanceStats:
         )
 
     @classmethod
-    def served(cls, tokens: int, nodes: int, seconds: float, rows: int = 1) -> AcceptanceStats:
+    def served(
+        cls, tokens: int, nodes: int, seconds: float, rows: int = 1, tree: bool | None = None
+    ) -> AcceptanceStats:
         """One step of a request on this proposer: ``tokens`` emitted, ``nodes`` draft nodes verified
         (0 where the step had no tree, or one the gate skipped), costing the request ``seconds``, in
-        a batch of ``rows``.
+        a batch of ``rows``; ``tree``: the proposer had a tree for it, verified or cut by the gate
+        (None: whether nodes were verified).
 
         >>> AcceptanceStats.served(3, 6, 0.08, rows=5).served_tokens
         (0.0, 0.0, 3.0)
@@ -149,7 +152,7 @@ class AcceptanceStats:
             served_steps=at_b(1),
             served_tokens=at_b(tokens),
             served_nodes=at_b(nodes),
-            served_trees=at_b(1 if nodes else 0),
+            served_trees=at_b(1 if (nodes > 0 if tree is None else tree) else 0),
             served_s=at_b(seconds),
         )
 

@@ -133,6 +133,8 @@ class SpecState:
     # This step's tree carried path probabilities and the gate cut all of it: to the router (and
     # the request's estimate), a step the proposer had nothing worth verifying for.
     gated_out: bool = False
+    # This step the proposer had a tree for the request (verified, or cut by the gate).
+    had_tree: bool = False
 
     @classmethod
     def start(cls, session: ProposerSession | None, k_cap: int | None, estimate: RequestEstimate | None) -> SpecState:
@@ -288,11 +290,12 @@ class SpeculationControl:
         trees = []
         for seq in seqs:
             tree, spec = None, seq.spec
-            spec.gated_out = False
+            spec.gated_out = spec.had_tree = False
             if spec.session is not None:
                 spec.counters.wait_s += waited
                 recent = seq.output[-self.config.recent_tokens :] if seq.req.temperature == 0 else None
                 tree = spec.session.take(seq.context_length, recent)
+                spec.had_tree = tree is not None and len(tree) > 0
                 # A re-rooted tree ends where the tree it was cut from ends: judge that one.
                 sent = spec.session.sent
                 complete = tree is not None and sent is not None and ended_by_proposer(sent, spec.session.limits)
@@ -371,9 +374,11 @@ class SpeculationControl:
                 add(samples, (spec.counters.proposer, tag), AcceptanceStats.no_tree())
             emitted = [tree.tokens[k] for k in path] + [bonus]
             if spec.session is not None or len(tree):  # the step as the request got it
-                served = AcceptanceStats.served(len(emitted), len(tree), seconds + self.last_wait, len(seqs))
+                served = AcceptanceStats.served(
+                    len(emitted), len(tree), seconds + self.last_wait, len(seqs), tree=spec.had_tree or len(tree) > 0
+                )
                 add(samples, (spec.counters.proposer, tag), served)
-                spec.estimate.count_step(bool(len(tree)))
+                spec.estimate.count_step(spec.had_tree or len(tree) > 0)
             if spec.shadow is not None and not len(tree):
                 shadow = spec.follow_shadow(emitted)
                 if shadow is not None:

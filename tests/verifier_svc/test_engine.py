@@ -147,7 +147,7 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
     # Accepted + a bonus per step (before the request's end cuts the last step's: what the step gave).
     assert tokens == pytest.approx(got.finish.steps + spec.accepted) and tokens >= 63
     assert nodes == pytest.approx(spec.drafted)  # verified nodes only, not skipped ones
-    assert trees == pytest.approx(spec.steps)  # the steps that verified a tree
+    assert spec.steps <= trees + 1e-9 and trees <= steps  # steps n-gram had a tree for: verified or cut by the gate
     assert 0 < seconds < elapsed  # the steps' measured time, within the request's
 
 
