@@ -374,11 +374,10 @@ class SpeculationControl:
                 add(samples, (spec.counters.proposer, tag), AcceptanceStats.no_tree())
             emitted = [tree.tokens[k] for k in path] + [bonus]
             if spec.session is not None or len(tree):  # the step as the request got it
-                served = AcceptanceStats.served(
-                    len(emitted), len(tree), seconds + self.last_wait, len(seqs), tree=spec.had_tree or len(tree) > 0
-                )
+                had = spec.had_tree or len(tree) > 0
+                served = AcceptanceStats.served(len(emitted), len(tree), seconds + self.last_wait, len(seqs), tree=had)
                 add(samples, (spec.counters.proposer, tag), served)
-                spec.estimate.count_step(spec.had_tree or len(tree) > 0)
+                spec.estimate.count_step(had)
             if spec.shadow is not None and not len(tree):
                 shadow = spec.follow_shadow(emitted)
                 if shadow is not None:
