@@ -34,6 +34,7 @@ from specmesh.bench.report import (
     gateway_vs_grpc,
     losslessness_failures,
     markdown,
+    mode_intervals,
     mode_ratios,
     pipeline_overhead,
     plots,
@@ -418,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     failures = losslessness_failures(records)
     transports = gateway_vs_grpc(records)
     ratios = {(x, y): mode_ratios(main_records, x, y) for x, y in COMPARED}
-    text = markdown(rows, meta, pipeline_overhead(main_records), failures, transports, ratios)
+    intervals = {(x, y): mode_intervals(main_records, x, y) for x, y in COMPARED}
+    text = markdown(rows, meta, pipeline_overhead(main_records), failures, transports, ratios, intervals)
     (out_dir / "summary.md").write_text(text)
     (out_dir / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     written = ["records.jsonl", "summary.md", "summary.json"]

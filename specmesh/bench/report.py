@@ -4,7 +4,9 @@ Speed-ups are paired: a mode's tokens/s on a prompt (or a wave, at concurrency >
 ``plain``'s on the same prompt (wave) of the same run, then the median over the category's
 prompts; the overall figure is the geometric mean over categories. ``hf-pld`` counts as its best
 lookup length per category. Efficiency = a mode's speed-up ÷ the oracle's. ``mode_ratios`` pairs
-two modes directly the same way (suffix vs n-gram).
+two modes directly the same way (suffix vs n-gram, auto vs each fixed proposer), and
+``mode_intervals`` says how far the overall figure could move by noise alone (a bootstrap over
+the paired prompts or waves).
 
 A run against an HTTP target with ``--also-grpc`` holds records of both transports: the tables
 describe the target (``primary``), and ``gateway_vs_grpc`` sets each mode's two transports side by
@@ -14,6 +16,7 @@ side.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -189,8 +192,12 @@ def _pooled_throughput(rs: list[dict]) -> dict[tuple, float]:
     return {(g, *k): v for g, grs in groups.items() for k, v in _throughput(grs).items()}
 
 
+def _paired_ratios(a: dict[tuple, float], b: dict[tuple, float]) -> list[float]:
+    return [a[k] / b[k] for k in a if k in b and b[k] > 0]
+
+
 def _paired_ratio(a: dict[tuple, float], b: dict[tuple, float]) -> float | None:
-    ratios = [a[k] / b[k] for k in a if k in b and b[k] > 0]
+    ratios = _paired_ratios(a, b)
     return statistics.median(ratios) if ratios else None
 
 
@@ -307,27 +314,85 @@ def mode_ratios(records: list[dict], a: str, b: str) -> dict[tuple[str, int], di
     {'overall': 2.5, 'qa': 2.5, 'mt': 2.5, 'mt turn 2': 4.0}
     """
     out = {}
+    for run, ra, rb in _runs_of(records, a, b):
+
+        def ratio(keep, ra: list[dict] = ra, rb: list[dict] = rb) -> float | None:
+            return _paired_ratio(_requests([r for r in ra if keep(r)]), _requests([r for r in rb if keep(r)]))
+
+        group = {g: statistics.median(v) if v else None for g, v in _group_ratios(ra, rb).items()}
+        cats = {}
+        for cat in dict.fromkeys(r["category"] for r in ra):
+            cats[cat] = group[cat] if cat in group else ratio(lambda r, cat=cat: r["category"] == cat)
+            if any(r.get("turn", 1) > 1 and r["category"] == cat for r in ra):
+                cats[f"{cat} turn 2"] = ratio(lambda r, cat=cat: r["category"] == cat and r.get("turn", 1) > 1)
+        overall = [v for v in group.values() if v is not None]
+        ratios = {OVERALL: geomean(overall) if overall else None, **cats}
+        out[run] = {k: v for k, v in ratios.items() if v is not None}
+    return out
+
+
+def mode_intervals(
+    records: list[dict], a: str, b: str, level: float = 0.95, draws: int = 2000
+) -> dict[tuple[str, int], Interval]:
+    """A bootstrap interval around ``mode_ratios``' ``OVERALL`` figure per run: how far the machine's
+    noise alone moves it (``bootstrap_interval`` over the same pairing units)."""
+    out = {}
+    for run, ra, rb in _runs_of(records, a, b):
+        groups = [v for v in _group_ratios(ra, rb).values() if v]
+        if groups:
+            out[run] = bootstrap_interval(groups, level, draws)
+    return out
+
+
+@dataclass(frozen=True)
+class Interval:
+    low: float
+    high: float
+    level: float
+    units: int  # paired prompts (waves) resampled
+
+
+def bootstrap_interval(groups: list[list[float]], level: float = 0.95, draws: int = 2000, seed: int = 0) -> Interval:
+    """Percentile bootstrap of the geometric mean over groups of each group's median paired ratio:
+    every draw resamples each group's ratios with replacement (stratified, so every category stays
+    in), and the interval holds the middle ``level`` of the draws' figures. Seeded: a report
+    reads the same every time it is made.
+
+    Worked example: one category where every prompt ran 2x and one where they ran 1x or 4x; the
+    overall figure (√(2 · 2.5) ≈ 2.24x) could as well have come out anywhere from √2 to √8:
+
+    >>> iv = bootstrap_interval([[2.0, 2.0, 2.0], [1.0, 4.0]])
+    >>> round(iv.low, 2), round(iv.high, 2), iv.units
+    (1.41, 2.83, 5)
+    """
+    rng = random.Random(seed)
+    figures = sorted(geomean([statistics.median(rng.choices(g, k=len(g))) for g in groups]) for _ in range(draws))
+    tail = (1.0 - level) / 2
+    low = figures[int(tail * draws)]
+    high = figures[min(draws - 1, math.ceil((1.0 - tail) * draws) - 1)]
+    return Interval(low, high, level, sum(len(g) for g in groups))
+
+
+def _runs_of(records: list[dict], a: str, b: str) -> list[tuple[tuple[str, int], list[dict], list[dict]]]:
+    """Per (sampling, concurrency) run where modes ``a`` and ``b`` both ran: their records."""
+    out = []
     for sampling, c in sorted({(r["sampling"], r["concurrency"]) for r in records}):
         run = [r for r in records if r["sampling"] == sampling and r["concurrency"] == c]
         ra, rb = [r for r in run if r["mode"] == a], [r for r in run if r["mode"] == b]
-        if not ra or not rb:
-            continue
+        if ra and rb:
+            out.append(((sampling, c), ra, rb))
+    return out
 
-        def ratio(keep, per_request: bool, ra: list[dict] = ra, rb: list[dict] = rb) -> float | None:
-            xa, xb = [r for r in ra if keep(r)], [r for r in rb if keep(r)]
-            if per_request:
-                return _paired_ratio(_requests(xa), _requests(xb))
-            return _paired_ratio(_throughput(xa), _throughput(xb))
 
-        group = {g: ratio(lambda r, g=g: r.get("group", r["category"]) == g, False) for g in _groups(ra)}
-        cats = {}
-        for cat in dict.fromkeys(r["category"] for r in ra):
-            cats[cat] = group[cat] if cat in group else ratio(lambda r, cat=cat: r["category"] == cat, True)
-            if any(r.get("turn", 1) > 1 and r["category"] == cat for r in ra):
-                cats[f"{cat} turn 2"] = ratio(lambda r, cat=cat: r["category"] == cat and r.get("turn", 1) > 1, True)
-        overall = [v for v in group.values() if v is not None]
-        ratios = {OVERALL: geomean(overall) if overall else None, **cats}
-        out[(sampling, c)] = {k: v for k, v in ratios.items() if v is not None}
+def _group_ratios(ra: list[dict], rb: list[dict]) -> dict[str, list[float]]:
+    """Per group (category, or "mix"): the paired ratios of its units (prompts, or waves)."""
+    out = {}
+    for g in _groups(ra):
+        xa, xb = (
+            [r for r in ra if r.get("group", r["category"]) == g],
+            [r for r in rb if r.get("group", r["category"]) == g],
+        )
+        out[g] = _paired_ratios(_throughput(xa), _throughput(xb))
     return out
 
 
@@ -340,14 +405,21 @@ def _requests(rs: list[dict]) -> dict[tuple, float]:
     return {(r["prompt_index"], r["wave"], r.get("slot", 0)): r["tokens_per_s"] for r in rs}
 
 
-def ratio_line(name: str, ratios: dict[str, float]) -> str:
-    """One line of ``mode_ratios``' figures for a run.
+def ratio_line(name: str, ratios: dict[str, float], interval: Interval | None = None) -> str:
+    """One line of ``mode_ratios``' figures for a run (and ``mode_intervals``' interval, if given).
 
     >>> ratio_line("suffix vs ngram", {"overall": 1.234, "code": 1.5, "mt_bench turn 2": 2.0})
     'suffix vs ngram (tokens/s, paired): **1.23x** overall; code 1.50x, mt_bench turn 2 2.00x'
+    >>> ratio_line("auto vs suffix", {"overall": 0.99}, Interval(0.962, 1.013, 0.95, 18))
+    'auto vs suffix (tokens/s, paired): **0.99x** overall (95% bootstrap interval 0.96–1.01 over 18 paired units)'
     """
     rest = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items() if k != OVERALL)
     head = f"**{ratios[OVERALL]:.2f}x** overall" if OVERALL in ratios else "overall –"
+    if interval is not None and OVERALL in ratios:
+        head += (
+            f" ({interval.level:.0%} bootstrap interval {interval.low:.2f}–{interval.high:.2f} "
+            f"over {interval.units} paired units)"
+        )
     return f"{name} (tokens/s, paired): {head}" + (f"; {rest}" if rest else "")
 
 
@@ -366,8 +438,9 @@ def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if v is None else f"{v:{spec}}{suffix}"
 
 
-# (a, b): "a vs b" ratio lines in the summary wherever both modes ran
-COMPARED = (("suffix", "ngram"),)
+# (a, b): "a vs b" ratio lines in the summary wherever both modes ran: the suffix proposer against
+# prompt lookup, and the router's choice against each fixed proposer it chooses from
+COMPARED = (("suffix", "ngram"), ("auto", "suffix"), ("auto", "ngram"))
 
 
 def markdown(
@@ -377,8 +450,10 @@ def markdown(
     failures: list[str],
     transports: list[TransportRow] | None = None,
     ratios: dict[tuple[str, str], dict[tuple[str, int], dict[str, float]]] | None = None,
+    intervals: dict[tuple[str, str], dict[tuple[str, int], Interval]] | None = None,
 ) -> str:
-    """``ratios``: (a, b) → ``mode_ratios(records, a, b)``, one line per run after its tables."""
+    """``ratios``: (a, b) → ``mode_ratios(records, a, b)``, one line per run after its tables, with
+    ``intervals``' (a, b) → ``mode_intervals(records, a, b)`` where given."""
     if meta.get("target", "").startswith(("http://", "https://")):  # the bench runs here, the server elsewhere
         served = f"server: {meta.get('model')} at {meta['target']} (owned_by {meta.get('http_server') or '?'})"
         served += f", verifier {meta['dtype']} on {meta['device']}" if meta.get("device") else ""
@@ -453,7 +528,8 @@ def markdown(
             ]
         for (a, b), by_run in (ratios or {}).items():
             if (sampling, c) in by_run:
-                lines += ["", ratio_line(f"{a} vs {b}", by_run[(sampling, c)])]
+                interval = (intervals or {}).get((a, b), {}).get((sampling, c))
+                lines += ["", ratio_line(f"{a} vs {b}", by_run[(sampling, c)], interval)]
         lines.append("")
     if transports:
         lines += transport_markdown(transports)

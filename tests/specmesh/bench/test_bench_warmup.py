@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from specmesh.bench.cli import parse_args
-from specmesh.bench.report import OVERALL, markdown, mode_ratios, summarize
+from specmesh.bench.report import OVERALL, markdown, mode_intervals, mode_ratios, summarize
 from specmesh.bench.runner import BenchRunner, RunConfig, cache_scope, mixed
 from specmesh.bench.workload import (
     DEFAULT_WORKLOAD,
@@ -244,3 +244,22 @@ def test_the_summary_sets_suffix_against_ngram_overall_and_per_category():
     assert "Warm-up: 160 prompts of workloads/specbench_dev_warmup.jsonl (all per category)" in text
     assert "`bench-t-suffix-greedy-c1`" in text
     assert "| category | plain | ngram | suffix |" in text
+
+
+def test_auto_against_a_fixed_proposer_gets_an_interval_that_holds_the_figure_and_widens_with_noise():
+    calm = [rec("suffix", c, i, 10.0) for c in ("qa", "code") for i in range(4)]
+    calm += [rec("auto", c, i, tps) for c in ("qa", "code") for i, tps in enumerate((9.9, 10.0, 10.1, 10.0))]
+    noisy = [r | {"tokens_per_s": r["tokens_per_s"] * (0.8 if r["prompt_index"] % 2 else 1.25)} for r in calm]
+    noisy = [r if r["mode"] == "auto" else dict(r, tokens_per_s=10.0) for r in noisy]
+    figure = mode_ratios(calm, "auto", "suffix")[("greedy", 1)][OVERALL]
+    tight, wide = (
+        mode_intervals(calm, "auto", "suffix")[("greedy", 1)],
+        mode_intervals(noisy, "auto", "suffix")[("greedy", 1)],
+    )
+    assert tight.low <= figure <= tight.high and tight.units == 8
+    assert wide.high - wide.low > 5 * (tight.high - tight.low)
+    text = markdown(
+        summarize(calm), {}, {}, [], None, {("auto", "suffix"): mode_ratios(calm, "auto", "suffix")},
+        {("auto", "suffix"): mode_intervals(calm, "auto", "suffix")},
+    )  # fmt: skip
+    assert f"auto vs suffix (tokens/s, paired): **1.00x** overall (95% bootstrap interval {tight.low:.2f}–" in text
