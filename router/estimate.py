@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from specmesh_router.stats import MAX_POSITIONS, AcceptanceStats, batch_bucket, one_at, value_at
+from specmesh_router.stats import BATCH_BUCKETS, MAX_POSITIONS, AcceptanceStats, batch_bucket, one_at, value_at
 
 MAX_ALPHA = 0.99  # the gate never plans on certain acceptance
 
@@ -33,7 +33,7 @@ class Served:
 
     >>> s = AcceptanceStats.served(3, 6, 0.08) + AcceptanceStats.served(1, 0, 0.06)
     >>> Served.of(s, min_steps=2, rows=1)
-    Served(tokens=2.0, nodes=3.0, seconds=0.07, steps=2.0, trees=0.5)
+    Served(tokens=2.0, nodes=3.0, seconds=0.07, steps=2.0, trees=0.5, rows=1)
     >>> Served.of(s, min_steps=2, rows=8) is None    # nothing served in batches of 8
     True
     >>> Served.of(AcceptanceStats.served(3, 6, 0.08), min_steps=2, rows=1) is None    # too little to go by
@@ -45,6 +45,7 @@ class Served:
     seconds: float
     steps: float  # decayed steps behind the means
     trees: float = 1.0  # share of those steps the proposer had a tree for (verified or cut by the gate)
+    rows: int = 1  # a batch size of the bucket they were measured in
 
     @classmethod
     def of(cls, stats: AcceptanceStats | None, min_steps: float, rows: int) -> Served | None:
@@ -53,7 +54,7 @@ class Served:
         n, tokens, nodes, trees, seconds = stats.served_in(batch_bucket(rows))
         if n < min_steps or n <= 0:
             return None
-        return cls(tokens / n, nodes / n, seconds / n, n, trees / n)
+        return cls(tokens / n, nodes / n, seconds / n, n, trees / n, rows)
 
     def at_coverage(self, trees: float, plain_s: float) -> Served:
         """What the proposer serves a request it has a tree for at share ``trees`` of its steps: a
@@ -84,6 +85,37 @@ class Served:
         )
 
 
+def ranking_rows(evidence: Sequence[Sequence[AcceptanceStats | None]], min_steps: float, rows: int) -> int:
+    """The batch size whose measured figures rank the candidates: ``rows`` where every candidate has
+    served ``min_steps`` steps in its bucket, else the nearest bucket where every one has (larger
+    batches first on a tie), else ``rows``. Each candidate is ranked by measurements or all by the
+    α model, never some by one and some by the other: the α chain misprices trees sized by their
+    own probabilities, so a proposer not yet measured at one batch size would be set against the
+    others' measurements on another scale, where its figures at a nearby size rank it on theirs.
+
+    ``evidence``: per candidate, its statistics in the order they are read (its tag's, the pooled).
+
+    >>> ngram = AcceptanceStats.served(2, 8, 0.05, rows=8).scaled(100.0)    # measured at 8 rows only
+    >>> suffix = ngram + AcceptanceStats.served(3, 6, 0.05, rows=1).scaled(100.0)
+    >>> ranking_rows([[suffix], [ngram]], min_steps=64, rows=1)    # n-gram: no 1-row figures yet
+    8
+    >>> ranking_rows([[suffix], [None, ngram]], min_steps=64, rows=12), ranking_rows([[suffix]], 64, rows=3)
+    (12, 1)
+    >>> ranking_rows([[suffix], [None]], min_steps=64, rows=3)    # one has no figures at all: the α model
+    3
+    """
+    here = batch_bucket(rows)
+    order = sorted(range(len(BATCH_BUCKETS)), key=lambda b: (abs(b - here), -b))
+
+    def measured(stats: Sequence[AcceptanceStats | None], b: int) -> bool:
+        return any(Served.of(s, min_steps, BATCH_BUCKETS[b]) is not None for s in stats)
+
+    for b in order:
+        if all(measured(stats, b) for stats in evidence):
+            return rows if b == here else BATCH_BUCKETS[b]
+    return rows
+
+
 @dataclass(frozen=True)
 class Posterior:
     """Beta(a[d], b[d]) over the acceptance of one proposer's draft token at depth d + 1."""
@@ -94,7 +126,7 @@ class Posterior:
     wait_s: float = 0.0  # mean verifier wait for this proposer's draft, per step
     evidence: float = 0.0  # decayed steps behind the posterior
     coverage: float = 1.0  # share of steps the proposer had a tree for (the others cost a plain step)
-    served: Served | None = None  # measured per step in batches of the size decided for, where there is enough
+    served: Served | None = None  # measured per step in batches of ``ranking_rows``' size, where there is enough
 
     def means(self) -> list[float]:
         return [a / (a + b) for a, b in zip(self.a, self.b, strict=True)]

@@ -24,7 +24,9 @@ measurably delivered per step, every step its requests spent on it counted, gate
 over the steps s of p's requests in batches of the size decided for (``BATCH_BUCKETS``: a row's
 step costs the whole batch's forward, so figures from 8-row steps do not rank 1-row requests)
 (decayed sums): tokens emitted; the step's measured time (the forward and acceptance) and the
-verifier's wait for trees. Measured, not priced by the cost
+verifier's wait for trees. Every candidate is ranked at one batch size: where one has not served
+enough at the size decided for, all are ranked by their figures at the nearest size where each
+has (``ranking_rows``), and all by the model where there is none. Measured, not priced by the cost
 model: a step's cost is far from linear in its width, and a start-up table off by a few
 milliseconds at one width moves a ranking between proposers a tenth apart. The α chain is a model of
 chains; a proposer of wide trees sized by its own probabilities (suffix) is not one, and the
@@ -46,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specmesh_router.cost_model import CostFn
-from specmesh_router.estimate import Posterior, RequestEstimate, Served, expected_accepted, posterior
+from specmesh_router.estimate import Posterior, RequestEstimate, Served, expected_accepted, posterior, ranking_rows
 from specmesh_router.policy import PolicyStore, SpeculationPolicy, resolve_proposer
 from specmesh_router.stats import AcceptanceStats, StatsBackend, StatsKey
 
@@ -287,17 +289,19 @@ class Router:
     ) -> list[Posterior]:
         keys = [StatsKey(self.model, p, t) for p in proposers for t in {workload_tag, ""}]
         snap = self.stats.snapshot(keys)
-        out = []
-        for p in proposers:
-            own = snap.get(StatsKey(self.model, p, workload_tag))
-            pooled = snap.get(StatsKey(self.model, p, "")) if workload_tag else None
-            cfg = self.config
-            out.append(
-                posterior(
-                    p, own, pooled, cfg.prior_mean, cfg.prior_strength, depth, count_ends, cfg.min_served_steps, batch
-                )
+        cfg = self.config
+        evidence = [
+            (
+                snap.get(StatsKey(self.model, p, workload_tag)),
+                snap.get(StatsKey(self.model, p, "")) if workload_tag else None,
             )
-        return out
+            for p in proposers
+        ]
+        rows = ranking_rows(evidence, cfg.min_served_steps, batch)
+        return [
+            posterior(p, own, pooled, cfg.prior_mean, cfg.prior_strength, depth, count_ends, cfg.min_served_steps, rows)
+            for p, (own, pooled) in zip(proposers, evidence, strict=True)
+        ]
 
     def decide(
         self,
@@ -334,8 +338,10 @@ class Router:
         steps = self.step_time, max(batch, 1), cap
         if estimate is not None and current in names:
             means = replace(self.config, exploration="greedy")
-            plain_s = self.step_time(max(batch, 1), 1)
-            shared = [estimate.served(p, plain_s) if p.proposer == current else p for p in posts]
+            shared = [
+                estimate.served(p, self.step_time(p.served.rows, 1)) if p.proposer == current and p.served else p
+                for p in posts
+            ]
             mine = [estimate.posterior(p, cap) if p.proposer == current else p for p in posts]
             pooled, own = choose(shared, *steps, means, None, current), choose(mine, *steps, means, None, current)
             if pooled.proposer == own.proposer != current and own.speculate:

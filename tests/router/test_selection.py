@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from specmesh_router.cost_model import StepCost
+from specmesh_router.estimate import posterior
 from specmesh_router.policy import PolicyStore, SpeculationPolicy
 from specmesh_router.selection import Posterior, Router, SelectionConfig, choose
 from specmesh_router.stats import AcceptanceStats, InProcessStats, StatsConfig, StatsKey
@@ -267,9 +268,38 @@ def test_proposers_are_compared_on_what_they_served_in_batches_of_the_size_decid
     assert suffix.served_tokens_per_s < ngram.served_tokens_per_s  # pooled over batch sizes: the trap
     assert suffix.served_tokens_per_s_by_batch()[0] > ngram.served_tokens_per_s_by_batch()[0]
     assert router.decide("auto", batch=1).proposer == "suffix"
-    for batch in (2, 4, 8):  # n-gram has served nothing at these sizes: the α model ranks it, not 1-row figures
-        assert all(p.served is None for p in router.posteriors(["ngram"], "", 8, batch=batch))
-    assert [p.served is not None for p in router.posteriors(list(names), "", 8, batch=12)] == [False, True]
+    for batch in (2, 4, 8):  # n-gram has served nothing at these sizes: both are ranked by their 1-row figures
+        assert [p.served.rows for p in router.posteriors(list(names), "", 8, batch=batch) if p.served] == [1, 1]
+
+
+def test_candidates_are_ranked_at_one_batch_size_the_nearest_where_each_has_served_enough(clock):
+    """Suffix measured at 1 and 8 rows, n-gram at 1 row only (the bench's 1-stream block, then an
+    8-stream one): deciding for 8 rows, n-gram's α chain (deep chains priced well) was set against
+    suffix's measured 8-row figures and won, though suffix served more at every size both were
+    measured at. Both are now ranked by their 1-row figures until n-gram has 8-row ones."""
+    names = ("ngram", "suffix")
+    stats = InProcessStats(StatsConfig(half_life_s=600.0), clock)
+    router = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(exploration="greedy"))
+    rng = random.Random(5)
+    for _ in range(200):  # what served_stream measures, at 1 row
+        router.record("ngram", "", scripted_step(rng, 0.7, 8) + AcceptanceStats.served(2, 8, CPU(1, 9)))
+        router.record(
+            "suffix", "", AcceptanceStats.of_step(6, 1, rejected=True) + AcceptanceStats.served(4, 6, CPU(1, 7))
+        )
+        router.record("suffix", "", AcceptanceStats.served(2, 6, CPU(8, 7) / 2, rows=8))
+    posts = router.posteriors(list(names), "", 8, batch=8)
+    assert [(p.served.rows if p.served else None) for p in posts] == [1, 1]
+    assert router.decide("auto", batch=8).proposer == "suffix"
+    mixed = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(exploration="greedy"))
+    mixed.posteriors = lambda ps, tag, depth, count_ends=True, batch=1: [  # the rule before: each at its own bucket
+        posterior(p, stats.snapshot().get(StatsKey(MODEL, p, "")), None, 0.5, 2.0, depth, count_ends, 64.0, batch)
+        for p in ps
+    ]
+    assert mixed.decide("auto", batch=8).proposer == "ngram"  # negative control: the mixed comparison
+    for _ in range(100):  # once n-gram has served enough at 8 rows, 8-row figures rank both
+        router.record("ngram", "", AcceptanceStats.served(2, 8, CPU(8, 9) / 4, rows=8))
+    assert [p.served.rows for p in router.posteriors(list(names), "", 8, batch=8)] == [8, 8]
+    assert router.decide("auto", batch=8).proposer == "ngram"
 
 
 def test_proposers_are_ranked_by_what_they_measurably_delivered_per_step_once_they_have_served_enough(clock):
