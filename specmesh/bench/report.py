@@ -335,11 +335,12 @@ def mode_intervals(
     records: list[dict], a: str, b: str, level: float = 0.95, draws: int = 2000
 ) -> dict[tuple[str, int], Interval]:
     """A bootstrap interval around ``mode_ratios``' ``OVERALL`` figure per run: how far the machine's
-    noise alone moves it (``bootstrap_interval`` over the same pairing units)."""
+    noise alone moves it (``bootstrap_interval`` over the same pairing units). None for a run with
+    a group of one unit (continuous load pools a run into one): resampling one says nothing."""
     out = {}
     for run, ra, rb in _runs_of(records, a, b):
         groups = [v for v in _group_ratios(ra, rb).values() if v]
-        if groups:
+        if groups and min(map(len, groups)) > 1:
             out[run] = bootstrap_interval(groups, level, draws)
     return out
 

@@ -257,6 +257,7 @@ def test_auto_against_a_fixed_proposer_gets_an_interval_that_holds_the_figure_an
         mode_intervals(noisy, "auto", "suffix")[("greedy", 1)],
     )
     assert tight.low <= figure <= tight.high and tight.units == 8
+    assert mode_intervals([r for r in calm if r["prompt_index"] == 0], "auto", "suffix") == {}  # one unit each
     assert wide.high - wide.low > 5 * (tight.high - tight.low)
     text = markdown(
         summarize(calm), {}, {}, [], None, {("auto", "suffix"): mode_ratios(calm, "auto", "suffix")},
