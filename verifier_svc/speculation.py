@@ -374,10 +374,11 @@ class SpeculationControl:
                 add(samples, (spec.counters.proposer, tag), AcceptanceStats.no_tree())
             emitted = [tree.tokens[k] for k in path] + [bonus]
             if spec.session is not None or len(tree):  # the step as the request got it
-                had = spec.had_tree or len(tree) > 0
-                served = AcceptanceStats.served(len(emitted), len(tree), seconds + self.last_wait, len(seqs), tree=had)
+                served = AcceptanceStats.served(
+                    len(emitted), len(tree), seconds + self.last_wait, len(seqs), tree=spec.had_tree
+                )
                 add(samples, (spec.counters.proposer, tag), served)
-                spec.estimate.count_step(had)
+                spec.estimate.count_step(spec.had_tree)
             if spec.shadow is not None and not len(tree):
                 shadow = spec.follow_shadow(emitted)
                 if shadow is not None:

@@ -186,10 +186,15 @@ def gateway_vs_grpc(records: list[dict]) -> list[TransportRow]:
 
 def _pooled_throughput(rs: list[dict]) -> dict[tuple, float]:
     """``_throughput`` over every category: units keyed by their group too."""
+    return {(g, *k): v for g, grs in _by_group(rs).items() for k, v in _throughput(grs).items()}
+
+
+def _by_group(rs: list[dict]) -> dict[str, list[dict]]:
+    """Records per group (the category, or "mix" for waves that mix categories), in first-seen order."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in rs:
         groups[r.get("group", r["category"])].append(r)
-    return {(g, *k): v for g, grs in groups.items() for k, v in _throughput(grs).items()}
+    return groups
 
 
 def _paired_ratios(a: dict[tuple, float], b: dict[tuple, float]) -> list[float]:
@@ -387,18 +392,8 @@ def _runs_of(records: list[dict], a: str, b: str) -> list[tuple[tuple[str, int],
 
 def _group_ratios(ra: list[dict], rb: list[dict]) -> dict[str, list[float]]:
     """Per group (category, or "mix"): the paired ratios of its units (prompts, or waves)."""
-    out = {}
-    for g in _groups(ra):
-        xa, xb = (
-            [r for r in ra if r.get("group", r["category"]) == g],
-            [r for r in rb if r.get("group", r["category"]) == g],
-        )
-        out[g] = _paired_ratios(_throughput(xa), _throughput(xb))
-    return out
-
-
-def _groups(rs: list[dict]) -> list[str]:
-    return list(dict.fromkeys(r.get("group", r["category"]) for r in rs))
+    xb = _by_group(rb)
+    return {g: _paired_ratios(_throughput(xa), _throughput(xb.get(g, []))) for g, xa in _by_group(ra).items()}
 
 
 def _requests(rs: list[dict]) -> dict[tuple, float]:
