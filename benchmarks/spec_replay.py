@@ -9,6 +9,13 @@ step). A comparison that takes a 30-minute `specmesh bench`, within its timing n
 seconds here, without noise, e.g. to tell a proposer change or a gate change that pays from one
 that does not before the bench measures it.
 
+Besides the two proposers it models what routing and merging could add on top of them: ``merged``
+is the union of each step's suffix and n-gram trees (``suffix.union``, each node at the larger of
+its two probabilities; n-gram nodes priced by the acceptance per depth measured on the n-gram
+trees replayed so far, ``DepthAcceptance``), and "per-request best" is an oracle router that
+serves each request with whichever proposer replays it faster: the most any choice between the
+two could gain over the better fixed one.
+
 Left out: the proposer's latency, the engine's per-step work outside the forward, and the router
 (each mode is one proposer, its trees not capped by a router's k; the verifier caps only trees
 without path probabilities, i.e. n-gram's here). The gate runs as the
@@ -42,11 +49,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from proposer_svc.suffix import SuffixCache, SuffixConfig, SuffixRequest
+import numpy as np
+
+from proposer_svc.suffix import Proposal, SuffixCache, SuffixConfig, SuffixRequest, learn_outcomes, union
 from specmesh.bench.report import geomean
 from specmesh.bench.workload import BenchPrompt, ChatEncoder, load_prompts, second_turns
 from specmesh.server.ngram import NgramConfig, NgramIndex
-from specmesh.server.tree import TokenTree, follow, truncate
+from specmesh.server.tree import TokenTree, depths, follow, truncate
 from specmesh_router.cost_model import StepCost, choose_widths
 from specmesh_router.estimate import RequestEstimate, posterior
 from specmesh_router.stats import AcceptanceStats
@@ -97,6 +106,60 @@ class SuffixReplay:
 
     def close(self) -> None:
         self.request.close()
+
+
+class DepthAcceptance:
+    """Acceptance of n-gram nodes per depth given their parent's path was emitted, measured on every
+    n-gram tree replayed so far; a node's path probability is the product along its path of
+    (hits + prior · 0.5) / (trials + prior) at each depth.
+
+    >>> acc = DepthAcceptance()
+    >>> acc.learn(TokenTree([7, 8], [-1, 0]), [7, 5])  # depth 1 right, depth 2 wrong
+    >>> [round(p, 3) for p in acc.probs([-1, 0])]  # (1 + 1) / (1 + 2), then (0 + 1) / (1 + 2) below it
+    [0.667, 0.222]
+    """
+
+    def __init__(self, prior: float = 2.0) -> None:
+        self.prior = prior
+        self.hits, self.trials = np.zeros(DEPTH + 1), np.zeros(DEPTH + 1)  # [depth]
+
+    def probs(self, parents: list[int]) -> list[float]:
+        out: list[float] = []
+        for p, d in zip(parents, depths(parents), strict=True):
+            cond = float((self.hits[d] + self.prior * 0.5) / (self.trials[d] + self.prior))
+            out.append(cond if p < 0 else cond * out[p])
+        return out
+
+    def learn(self, tree: TokenTree, emitted: list[int]) -> None:
+        bins = np.asarray(depths(tree.parents), np.int64)
+        tokens, parents = np.asarray(tree.tokens, np.int64), np.asarray(tree.parents, np.int64)
+        learn_outcomes(tokens, parents, bins, np.asarray(emitted, np.int64), self.hits, self.trials)
+
+
+class MergedReplay:
+    """Each step the union of the suffix tree and the n-gram tree, within the same node budget."""
+
+    def __init__(self, context: list[int], cache: SuffixCache, scope: str, ngram_depths: DepthAcceptance) -> None:
+        self.suffix, self.ngram = SuffixReplay(context, cache, scope), NgramReplay(context)
+        self.ngram_depths = ngram_depths
+        self.last = TokenTree([], [])  # the n-gram tree of the step in flight
+
+    def propose(self) -> TokenTree:
+        own = self.suffix.request.propose(NODES, DEPTH)
+        self.last = self.ngram.propose()
+        priced = self.ngram_depths.probs(self.last.parents)
+        lookup = Proposal(self.last.tokens, self.last.parents, priced, "ngram", 0, sum(priced))
+        u = union(own, lookup, NODES)
+        return TokenTree(u.tokens, u.parents, probs=u.probs)
+
+    def extend(self, tokens: list[int]) -> None:
+        if len(self.last):
+            self.ngram_depths.learn(self.last, tokens)
+        self.suffix.extend(tokens)
+        self.ngram.extend(tokens)
+
+    def close(self) -> None:
+        self.suffix.close()
 
 
 @dataclass
@@ -251,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     warm_out = outputs_of(a.warmup_records)
     warm = [w for w in load_prompts(a.warmup_workload, None, None, encoder.user) if w.row_id in warm_out]
     if a.held_out:
-        cached = [(w, warm_out[w.row_id].token_ids) for w in warm[::2]]
+        warmed = [(w, warm_out[w.row_id].token_ids) for w in warm[::2]]
         measured = [(w, warm_out[w.row_id]) for w in warm[1::2]]
     else:
         out = outputs_of(a.records)
@@ -259,17 +322,30 @@ def main(argv: list[str] | None = None) -> None:
         answers = {q.row_id: out[q.row_id].text for q in first if q.row_id in out}
         prompts = first + second_turns(first, answers, encoder.chat)
         measured = [(q, out[q.row_id]) for q in prompts if q.row_id in out]
-        cached = [(w, warm_out[w.row_id].token_ids) for w in warm]
+        warmed = [(w, warm_out[w.row_id].token_ids) for w in warm]
 
-    cache = SuffixCache(SuffixConfig(), background=False)
-    for w, ids in cached:  # what the warm-up's requests leave in the cache: their outputs
-        cache.learn("measured", list(w.token_ids), ids)
+    def cached() -> SuffixCache:  # what the warm-up's requests leave in the cache: their outputs
+        cache = SuffixCache(SuffixConfig(), background=False)
+        for w, ids in warmed:
+            cache.learn("measured", list(w.token_ids), ids)
+        return cache
+
+    suffix_cache, merged_cache, ngram_depths = cached(), cached(), DepthAcceptance()
     runs = {
         "ngram": run_mode("ngram", lambda ctx, scope: NgramReplay(ctx), measured, cost, a.prefill),
-        "suffix": run_mode("suffix", lambda ctx, scope: SuffixReplay(ctx, cache, scope), measured, cost, a.prefill),
+        "suffix": run_mode(
+            "suffix", lambda ctx, scope: SuffixReplay(ctx, suffix_cache, scope), measured, cost, a.prefill
+        ),
+        "merged": run_mode(
+            "merged",
+            lambda ctx, scope: MergedReplay(ctx, merged_cache, scope, ngram_depths),
+            measured,
+            cost,
+            a.prefill,
+        ),
     }
     prefill = "prefill as recorded" if a.prefill else "decode only"
-    print(f"# spec_replay: {len(measured)} prompts, {len(cached)} cached outputs; cost {a.widths} = {a.cost}")
+    print(f"# spec_replay: {len(measured)} prompts, {len(warmed)} cached outputs; cost {a.widths} = {a.cost}")
     print(f"# {prefill}")
     print("| mode | speed-up (modelled) | tokens/step | drafted | accepted |")
     print("|---|---|---|---|---|")
@@ -282,11 +358,18 @@ def main(argv: list[str] | None = None) -> None:
         drafted = sum(r.drafted for _, r in res.values())
         accepted = sum(r.accepted for _, r in res.values())
         print(f"| {name} | {geo_mean_of_medians(groups):.3f}x | {tokens / steps:.2f} | {drafted} | {accepted} |")
-    paired: dict[str, list[float]] = defaultdict(list)
-    for row, (group, r) in runs["suffix"].items():
-        paired[group].append(r.speedup / runs["ngram"][row][1].speedup)
-    per = ", ".join(f"{g} {statistics.median(v):.2f}x" for g, v in sorted(paired.items()))
-    print(f"\nsuffix vs ngram (paired): {geo_mean_of_medians(paired):.3f}x overall; {per}")
+    print()
+    best = {row: max(runs["ngram"][row][1].speedup, r.speedup) for row, (_, r) in runs["suffix"].items()}
+    for name, ratio in (
+        ("suffix vs ngram", lambda row, r: r.speedup / runs["ngram"][row][1].speedup),
+        ("merged vs suffix", lambda row, r: runs["merged"][row][1].speedup / r.speedup),
+        ("per-request best vs suffix", lambda row, r: best[row] / r.speedup),
+    ):
+        paired: dict[str, list[float]] = defaultdict(list)
+        for row, (group, r) in runs["suffix"].items():
+            paired[group].append(ratio(row, r))
+        per = ", ".join(f"{g} {statistics.median(v):.3f}x" for g, v in sorted(paired.items()))
+        print(f"{name} (paired): {geo_mean_of_medians(paired):.3f}x overall; {per}")
 
 
 if __name__ == "__main__":
