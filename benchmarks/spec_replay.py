@@ -52,7 +52,7 @@ from typing import Protocol
 import numpy as np
 
 from proposer_svc.suffix import Proposal, SuffixCache, SuffixConfig, SuffixRequest, learn_outcomes, union
-from specmesh.bench.report import geomean
+from specmesh.bench.report import geo_mean_of_medians
 from specmesh.bench.workload import BenchPrompt, ChatEncoder, load_prompts, second_turns
 from specmesh.server.ngram import NgramConfig, NgramIndex
 from specmesh.server.tree import TokenTree, depths, follow, truncate
@@ -243,15 +243,6 @@ def run_mode(
     return out
 
 
-def geo_mean_of_medians(per_group: dict[str, list[float]]) -> float:
-    """The bench's overall figure: the median per group, then their geometric mean.
-
-    >>> round(geo_mean_of_medians({"a": [1.0, 2.0, 3.0], "b": [8.0]}), 3)
-    4.0
-    """
-    return geomean([statistics.median(v) for v in per_group.values()])
-
-
 @dataclass(frozen=True)
 class Recorded:
     """One prompt's plain decoding as a bench recorded it."""
@@ -357,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens = sum(r.tokens for _, r in res.values())
         drafted = sum(r.drafted for _, r in res.values())
         accepted = sum(r.accepted for _, r in res.values())
-        print(f"| {name} | {geo_mean_of_medians(groups):.3f}x | {tokens / steps:.2f} | {drafted} | {accepted} |")
+        speedup = geo_mean_of_medians(groups.values())
+        print(f"| {name} | {speedup:.3f}x | {tokens / steps:.2f} | {drafted} | {accepted} |")
     print()
     best = {row: max(runs["ngram"][row][1].speedup, r.speedup) for row, (_, r) in runs["suffix"].items()}
     for name, ratio in (
@@ -369,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         for row, (group, r) in runs["suffix"].items():
             paired[group].append(ratio(row, r))
         per = ", ".join(f"{g} {statistics.median(v):.3f}x" for g, v in sorted(paired.items()))
-        print(f"{name} (paired): {geo_mean_of_medians(paired):.3f}x overall; {per}")
+        print(f"{name} (paired): {geo_mean_of_medians(paired.values()):.3f}x overall; {per}")
 
 
 if __name__ == "__main__":
