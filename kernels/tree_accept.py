@@ -293,6 +293,7 @@ def tree_accept_kernel_launch(
     greedy: torch.Tensor,
     uniforms: torch.Tensor,
     max_nodes: int | None = None,
+    any_sampled: bool | None = None,
 ) -> torch.Tensor:
     """Acceptance of every tree of the batch in one launch: per request, the walk of
     ``verifier_svc.acceptance`` (greedy rows follow ``argmax``, sampled rows test children against
@@ -303,7 +304,8 @@ def tree_accept_kernel_launch(
     uniforms float64 [b, max_nodes + 1, max_nodes + 1], entry [i, d, s] for request i's token at
     depth d (salt 0: the residual draw, salt 1 + j: the test of child j); ``max_nodes`` (host
     bound on nodes per tree; read from the device when omitted) → int64 [b, 2 + max_nodes] on the
-    device, unused path entries -1.
+    device, unused path entries -1. ``any_sampled``: host knowledge of whether ``greedy`` has a False
+    (the size of the residual scratch); read from the device, a sync, when omitted.
     """
     n_req = trees.row_offsets.shape[0] - 1
     rows, vocab = probs.shape
@@ -339,8 +341,9 @@ def tree_accept_kernel_launch(
     row_sum = probs.sum(dim=-1, dtype=torch.float64)  # [rows]
     q = trees.draft_probs.to(torch.float64)
     q = q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)  # as the host walk normalises
-    sampled = ~greedy.to(torch.bool)
-    scratch = torch.empty(n_req if bool(sampled.any()) else 1, vocab, dtype=torch.float64, device=dev)
+    if any_sampled is None:
+        any_sampled = bool((~greedy.to(torch.bool)).any())
+    scratch = torch.empty(n_req if any_sampled else 1, vocab, dtype=torch.float64, device=dev)
     u = uniforms.contiguous()  # [b, depth, salt]
     first_child, next_sibling = tree_links(trees.row_offsets, trees.parents, max_nodes, rows)
     own = trees.draft_ids == trees.tokens[:, None]  # [nodes, K]: where each node's token sits in its q

@@ -470,6 +470,31 @@ def _pack_bits(window: torch.Tensor) -> torch.Tensor:
     return (window.long() << j).sum(-1)  # distinct bits; bit 63 alone makes it negative, no overflow
 
 
+def tree_meta_from_trees(
+    parents: list[list[int]], lengths: list[int], width: int, device: torch.device | str
+) -> TreeMeta:
+    """The kernel's form of a verification step's mask, built on the host from the trees themselves.
+
+    The step layout (the verifier's ``decode_inputs``): row ``i`` holds its pending token at slot
+    ``lengths[i]`` and its tree's nodes right after it, padded to ``width`` rows; padding rows see key 0
+    only. Same result as :func:`tree_meta_from_mask` on that layout's mask, without the device read that
+    validates a mask of unknown shape: three small host-to-device copies instead.
+
+    >>> m = tree_meta_from_trees([[-1, -1], []], [3, 2], 3, "cpu")
+    >>> m.start.tolist(), m.row_prefix.tolist(), m.bits.tolist()
+    ([3, 2], [[3, 3, 3], [2, 1, 1]], [[1, 3, 5], [1, 0, 0]])
+    """
+    if width > MAX_TREE_ROWS:
+        raise ValueError(f"{width} rows: tree attention takes at most {MAX_TREE_ROWS}")
+    bits = torch.zeros(len(parents), width, dtype=torch.int64)
+    row_prefix = torch.ones(len(parents), width, dtype=torch.int32)  # padding rows: key 0 only
+    for i, (tree, length) in enumerate(zip(parents, lengths, strict=True)):
+        bits[i, : len(tree) + 1] = torch.tensor(ancestor_bits(tree), dtype=torch.int64)
+        row_prefix[i, : len(tree) + 1] = length
+    start = torch.tensor(lengths, dtype=torch.int32)
+    return TreeMeta(start.to(device), row_prefix.to(device), bits.to(device))
+
+
 def tree_meta_from_mask(mask: torch.Tensor, write_pos: torch.Tensor) -> TreeMeta | None:
     """The kernel's form of ``mask`` (bool [b, n, kv]) for new tokens at ``write_pos`` (int64 [b, n]), or None.
 

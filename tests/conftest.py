@@ -3,6 +3,9 @@
 Helpers live in ``support.py``. Triton reads TRITON_INTERPRET once, when it is first imported
 (transformers imports it through torch._dynamo): without CUDA it is turned on here, before any
 test module imports anything, so the kernel tests run on the interpreter in the full suite too.
+
+The model and the verifier processes run on the CPU in fp32 on a GPU host too (the reference
+outputs they are compared with are computed on the CPU); tests of the GPU choose their device.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def lm():
-    """The default target model, loaded in the test process (reference outputs)."""
+    """The default target model, loaded in the test process on the CPU in fp32 (reference outputs)."""
     import torch
 
     from specmesh.server.model_loading import load_model
 
     torch.set_num_threads(2)
-    return load_model()
+    return load_model(device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +62,14 @@ def hf_greedy(lm):
         return cache[key]
 
     return run
+
+
+@pytest.fixture
+def cpu_kernels() -> None:
+    """For tests that run the Triton kernels on CPU tensors: skipped where the interpreter is off."""
+    from support import require_cpu_kernels
+
+    require_cpu_kernels()
 
 
 @pytest.fixture(scope="module")

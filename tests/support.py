@@ -64,13 +64,46 @@ class VerifierProcess:
         return self.log_path.read_text(errors="replace")
 
 
+def on_cpu(args: tuple[str, ...] | list[str]) -> list[str]:
+    """A model-serving process's flags with ``--device cpu`` added unless they name a device: the
+    tests compare its outputs with the ``lm`` fixture's, which runs on the CPU in fp32 on a GPU host too.
+
+    >>> on_cpu(["--threads", "2"]), on_cpu(["--device=cuda"]), on_cpu(["--device-accept", "on"])[-2:]
+    (['--threads', '2', '--device', 'cpu'], ['--device=cuda'], ['--device', 'cpu'])
+    """
+    named = any(a == "--device" or a.startswith("--device=") for a in args)
+    return list(args) if named else [*args, "--device", "cpu"]
+
+
+def cpu_only_env() -> dict[str, str]:
+    """This process's environment with no GPU visible (``CUDA_VISIBLE_DEVICES=""``): for a command
+    (``specmesh bench``) whose own processes pick the default device, compared on the CPU."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def require_cpu_kernels() -> None:
+    """Skip the calling test unless the Triton kernels can run on CPU tensors in this process: in
+    Triton's interpreter, which a process that sees CUDA leaves off (the CUDA tests and
+    ``make gpu-check`` cover the compiled kernels there)."""
+    import pytest
+    import torch
+
+    from verifier_svc.kernel_paths import kernel_unavailable
+
+    why = kernel_unavailable(torch.device("cpu"))
+    if why is not None:
+        cuda = " (a process that sees CUDA leaves it off: the CUDA tests cover the compiled kernels)"
+        pytest.skip(f"runs the Triton kernels on CPU tensors: {why}{cuda if torch.cuda.is_available() else ''}")
+
+
 def start_verifier(tmp_path: Path, *args: str, tls=None) -> VerifierProcess:
-    """``specmesh serve verifier`` on a free loopback port; ``tls`` (``TlsOptions``): how to reach a TLS port."""
+    """``specmesh serve verifier`` on a free loopback port, on the CPU unless ``args`` name a device
+    (``on_cpu``); ``tls`` (``TlsOptions``): how to reach a TLS port."""
     from specmesh.deploy import free_port, wait_healthy
 
     address = f"127.0.0.1:{free_port()}"
     log_path = tmp_path / f"verifier-{address.rsplit(':', 1)[1]}.log"
-    cmd = [sys.executable, "-m", "specmesh", "serve", "verifier", "--address", address, "--threads", "2", *args]
+    cmd = [sys.executable, "-m", "specmesh", "serve", "verifier", "--address", address, "--threads", "2", *on_cpu(args)]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

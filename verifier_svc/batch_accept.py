@@ -2,9 +2,10 @@
 and the plain draw of a prefill's first token.
 
 Greedy rows take the host walk on one argmax copy; sampled rows are filtered (temperature,
-top-p, top-k) and walked with their counter-based uniforms (``acceptance``). On CUDA the whole
-batch is walked on the device instead (:func:`accept_on_device`: the same probabilities and
-uniforms handed to ``specmesh_kernels.tree_accept``, one device-to-host copy for the step).
+top-p, top-k) and walked with their counter-based uniforms (``acceptance``). On CUDA (or wherever
+``--device-accept on`` asks) the whole batch is walked on the device instead
+(:func:`accept_on_device`: the same probabilities and uniforms handed to
+``specmesh_kernels.tree_accept``, one device-to-host copy for the step).
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ def accept_batch(
     trees: list[TokenTree],
     logits: torch.Tensor,
     counts: list[int],
+    *,
+    device_accept: bool | None = None,
 ) -> list[tuple[list[int], int]]:
     """(accepted node path, bonus token) per request, losslessly (see ``acceptance``).
 
     logits: [sum(counts), vocab], request i's rows (its root, then its tree's nodes) contiguous;
     ``context_lengths``: each request's tokens so far (the uniforms' counters).
+    ``device_accept``: walk the batch in the Triton kernel (:func:`accept_on_device`): None where the
+    logits are on CUDA, True wherever the trees fit it (CPU tensors: Triton's interpreter), False never
+    (the host walk). Trees over ``KERNEL_MAX_NODES`` nodes take the host walk either way.
     """
-    if logits.device.type == "cuda" and max(len(t) for t in trees) <= KERNEL_MAX_NODES:
+    on_device = logits.device.type == "cuda" if device_accept is None else device_accept
+    if on_device and max(len(t) for t in trees) <= KERNEL_MAX_NODES:
         return accept_on_device(reqs, context_lengths, trees, logits)
     argmax = logits.argmax(dim=-1).tolist()  # one host copy for every greedy decision
     starts = [0, *itertools.accumulate(counts)]
@@ -92,13 +99,16 @@ def accept_on_device(
         max_nodes + 1,
         max_nodes + 1,
     )
+    sampled = any(r.temperature > 0 for r in reqs)
     out = tree_accept_kernel_launch(
-        target_probs(logits, reqs, [len(t) + 1 for t in trees]),
+        # Greedy requests' rows of probs are never read: an all-greedy step skips the softmax.
+        target_probs(logits, reqs, [len(t) + 1 for t in trees]) if sampled else logits,
         logits.argmax(dim=-1),
         packed,
         torch.tensor([r.temperature <= 0 for r in reqs], device=dev),
         u,
         max_nodes=max_nodes,
+        any_sampled=sampled,  # known here: no device read for the scratch's size
     )
     return unpack_result(out.cpu())  # the step's one device-to-host copy
 

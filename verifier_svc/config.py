@@ -8,7 +8,9 @@ from specmesh.server.auth import token_file
 from specmesh.server.flags import ServiceFlags, boolean, byte_size
 from specmesh.server.packed_linear import add_linears_flag
 from specmesh.server.security import ServerSecurity, add_security_flags, security_config
+from verifier_svc.batch_accept import KERNEL_MAX_NODES
 from verifier_svc.engine import EngineConfig
+from verifier_svc.kernel_paths import ATTENTION, DEVICE_ACCEPT
 from verifier_svc.local_proposer import inprocess_kind
 from verifier_svc.speculation import SpeculationConfig
 
@@ -21,6 +23,7 @@ class VerifierConfig:
     dtype: str | None = None
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     packed_linears: bool = True  # CPU: linear layers through oneDNN with pre-packed weights
+    attention: str = "auto"  # tree verification's attention: auto (the Triton kernel on CUDA), triton, sdpa
     max_context: int = 0  # 0 = the model's max_position_embeddings
     kv_cache_bytes: int | None = None  # KV cache budget; None = kv_cache.default_budget_bytes
     proposers: tuple[tuple[str, str], ...] = ()  # (name, address)
@@ -52,6 +55,24 @@ def build_flags() -> ServiceFlags:
     f.add("--dtype", None, str, "float32, bfloat16, float16; default: float32 on CPU, bfloat16 on GPU")
     f.add("--threads", 0, int, "torch threads (0 = torch's default)", minimum=0)
     add_linears_flag(f)
+    f.add(
+        "--attention",
+        "auto",
+        str,
+        "attention of tree-verification forwards: triton = the Triton tree-attention kernel, sdpa = SDPA under "
+        "the tree mask, auto = triton on CUDA and sdpa elsewhere; a forced kernel that cannot run here (CPU "
+        "tensors without Triton's interpreter, a model it does not serve) is refused at start-up",
+        choices=list(ATTENTION),
+    )
+    f.add(
+        "--device-accept",
+        "auto",
+        str,
+        "token-tree acceptance: on = the whole batch walked by the Triton kernel (one device-to-host copy per "
+        "step; CPU tensors in Triton's interpreter), off = the host walk, auto = on for CUDA logits; trees over "
+        f"{KERNEL_MAX_NODES} nodes always take the host walk",
+        choices=list(DEVICE_ACCEPT),
+    )
     f.add("--max-context", 0, int, "context tokens per request (0 = the model's maximum)", minimum=0)
     f.add("--max-running", 32, int, "batch slots: requests decoded together", minimum=1)
     f.add(
@@ -222,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         dtype=a.dtype,
         threads=a.threads,
         packed_linears=a.linears == "packed",
+        attention=a.attention,
         max_context=a.max_context,
         kv_cache_bytes=a.kv_cache_memory,
         proposers=tuple(proposers),
@@ -239,6 +261,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
             max_running=a.max_running,
             max_waiting=a.max_waiting,
             prefill_chunk_tokens=a.prefill_chunk,
+            device_accept=DEVICE_ACCEPT[a.device_accept],
             speculation=SpeculationConfig(
                 proposer_wait_ms=a.proposer_wait_ms,
                 proposer_timeout_s=a.proposer_timeout,

@@ -37,7 +37,7 @@ from specmesh.server.torch_thread import ThreadLoop, TorchThread
 from specmesh.v1 import proposer_pb2
 from specmesh_router.cost_model import LiveStepCost
 from verifier_svc import admission
-from verifier_svc.batch_accept import accept_batch, sample_tokens
+from verifier_svc.batch_accept import KERNEL_MAX_NODES, accept_batch, sample_tokens
 from verifier_svc.detokenizer import StopStringFilter, detokenizer_for
 from verifier_svc.events import EngineFull, EngineStats, EngineStopped, ErrorEvent, Event, NeverFits
 from verifier_svc.logprobs import TokenLogprob, step_logprobs
@@ -70,6 +70,9 @@ class EngineConfig:
     kv_budget_tokens: int | None = None  # KV cache positions (slots × length) allocated at most
     kv_margin: int = 256  # positions per row left to grow into when a waiting request joins
     step_room: int = 129  # positions one decode step writes per row at most: pending token + tree
+    # Acceptance through the batched Triton kernel (``batch_accept.accept_batch``): None = for CUDA
+    # logits, True = wherever the trees fit it (CPU tensors: Triton's interpreter), False = the host walk.
+    device_accept: bool | None = None
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
 
@@ -376,12 +379,26 @@ class Engine:
         packed = self.packed and sum(counts) < 0.9 * len(seqs) * width
         packing = Packing(*real, len(seqs), width) if packed else None
         computed = sum(counts) if packing is not None else len(seqs) * width  # tokens the forward computes
+        meta = None
+        if self.runner.tree_kernel and width <= KERNEL_MAX_NODES + 1:  # the kernel's mask, from the trees: no sync
+            from specmesh_kernels.tree_attention import tree_meta_from_trees
+
+            meta = tree_meta_from_trees([t.parents for t in trees], [s.length for s in seqs], width, dev)
         t0 = time.perf_counter()
         rows = slice(seqs[0].slot, seqs[-1].slot + 1)
-        hidden = self.runner.forward(rows, step.input_ids, step.positions, step.mask, step.write_pos, packing)
+        hidden = self.runner.forward(
+            rows, step.input_ids, step.positions, step.mask, step.write_pos, packing, tree_meta=meta
+        )
         hidden = hidden[0] if packing is not None else hidden[real]  # [sum(n_i + 1), h]
         logits = self.runner.logits(hidden)  # [sum(n_i + 1), vocab]
-        results = accept_batch([s.req for s in seqs], [s.context_length for s in seqs], trees, logits, counts)
+        results = accept_batch(
+            [s.req for s in seqs],
+            [s.context_length for s in seqs],
+            trees,
+            logits,
+            counts,
+            device_accept=self.config.device_accept,
+        )
         starts = [0, *itertools.accumulate(counts)]  # request i's first row
 
         def drawn(i: int) -> tuple[list[int], list[int]]:

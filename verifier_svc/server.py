@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ from specmesh_router.stats import StatsBackend, StatsConfig, open_stats
 from verifier_svc.config import VerifierConfig, parse_args
 from verifier_svc.engine import Engine
 from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent, NeverFits
+from verifier_svc.kernel_paths import ATTENTION, KernelUnavailable, check_kernel_device, check_kernel_model, describe
 from verifier_svc.learning import LearnConfig, OutputLearning
 from verifier_svc.local_proposer import inprocess_kind
 from verifier_svc.logprobs import TokenLogprob
@@ -358,13 +360,16 @@ def load_target(config: VerifierConfig) -> LoadedTarget:
     import torch
 
     from specmesh.server.kv_cache import default_budget_bytes
-    from specmesh.server.model_loading import load_model
+    from specmesh.server.model_loading import load_model, pick_device
     from specmesh.server.model_runner import ModelRunner, measure_step_cost
 
     if config.threads > 0:
         torch.set_num_threads(config.threads)
+    # A kernel the flags force must run here: refused now, before the model loads (and imports triton).
+    check_kernel_device(config.attention, config.engine.device_accept, pick_device(config.device))
     t0 = time.perf_counter()
     lm = load_model(config.model, config.device, config.dtype)
+    check_kernel_model(config.attention, lm.model.config)
     model_max = int(getattr(lm.model.config, "max_position_embeddings", 0) or 4096)
     max_context = min(config.max_context or model_max, model_max)
     print(
@@ -373,8 +378,16 @@ def load_target(config: VerifierConfig) -> LoadedTarget:
     )
     kv_bytes = config.kv_cache_bytes or default_budget_bytes(lm.device)
     runner = ModelRunner(
-        lm.model, lm.device, lm.dtype, max_context, packed_linears=config.packed_linears, kv_budget_bytes=kv_bytes
+        lm.model,
+        lm.device,
+        lm.dtype,
+        max_context,
+        tree_kernel=ATTENTION[config.attention],
+        packed_linears=config.packed_linears,
+        kv_budget_bytes=kv_bytes,
     )
+    paths = describe(runner.tree_kernel, runner.packs, config.engine.device_accept, lm.device)
+    print(f"verifier: {paths}", flush=True)
     kv_tokens = runner.cache.token_budget
     print(
         f"verifier: KV cache budget {kv_bytes / 2**20:.0f} MiB = {kv_tokens} positions "
@@ -548,4 +561,8 @@ async def start_admin_server(admin: AdminServicer, config: VerifierConfig, auth:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(run(parse_args(argv)))
+    config = parse_args(argv)
+    try:
+        asyncio.run(run(config))
+    except KernelUnavailable as exc:  # a start-up refusal: one line, no traceback
+        sys.exit(f"specmesh serve verifier: {exc}")

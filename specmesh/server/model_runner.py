@@ -93,6 +93,7 @@ class ModelRunner:
         mask: torch.Tensor,
         write_pos: torch.Tensor | None = None,
         packing: attention.Packing | None = None,
+        tree_meta: Any | None = None,
     ) -> torch.Tensor:
         """Hidden states of the new tokens.
 
@@ -100,6 +101,8 @@ class ModelRunner:
         (cache slots for the new tokens; defaults to ``positions``) → [b, n, hidden].
         ``packing`` (only where ``packs``): run only the real tokens it lists, as one row, and
         return theirs → [1, N, hidden] in its order (see ``attention``).
+        ``tree_meta`` (where ``tree_kernel``): the kernel's form of ``mask``, built by the caller from its
+        trees (``tree_meta_from_trees``); otherwise derived from ``mask``, which costs a device read.
         """
         kv_len = mask.shape[-1]
         write_pos = positions if write_pos is None else write_pos
@@ -107,7 +110,7 @@ class ModelRunner:
         if self.tree_kernel:  # the kernel's form of the mask, or SDPA with the dense mask for this forward
             from specmesh_kernels.tree_attention import tree_meta_from_mask
 
-            meta = tree_meta_from_mask(mask, write_pos)
+            meta = tree_meta if tree_meta is not None else tree_meta_from_mask(mask, write_pos)
             if meta is not None:
                 tree[attention.META_KWARG] = meta
         if packing is not None:

@@ -72,6 +72,7 @@ def table(seeds: torch.Tensor, positions: torch.Tensor, trees: list[TokenTree]) 
 
 
 @pytest.mark.parametrize("n_req,max_nodes", [(1, 0), (5, 63), (64, 8)])
+@pytest.mark.usefixtures("cpu_kernels")
 def test_greedy_kernel_is_identical_to_host_greedy_accept(n_req, max_nodes):
     trees, logits = random_batch(n_req + max_nodes, n_req, max_nodes, vocab=40, stochastic=False)
     greedy = torch.ones(n_req, dtype=torch.bool)
@@ -84,6 +85,7 @@ def test_greedy_kernel_is_identical_to_host_greedy_accept(n_req, max_nodes):
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["deterministic-draft", "sparse-q-draft"])
+@pytest.mark.usefixtures("cpu_kernels")
 def test_sampled_kernel_matches_host_walk_draw_for_draw(stochastic):
     n_req = 24
     trees, logits = random_batch(40 + stochastic, n_req, 12, vocab=30, stochastic=stochastic)
@@ -97,6 +99,7 @@ def test_sampled_kernel_matches_host_walk_draw_for_draw(stochastic):
     assert sum(len(p) for p, _ in want) > n_req // 2  # some sampled walks accept nodes
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_the_engine_device_path_applies_temperature_top_k_top_p_as_the_host_walk():
     n_req = 6
     trees, logits = random_batch(9, n_req, 6, vocab=25, stochastic=False)
@@ -115,6 +118,51 @@ def test_the_engine_device_path_applies_temperature_top_k_top_p_as_the_host_walk
     shaped = filter_logits(logits, rep(torch.where(temperature > 0, temperature, 1.0)), rep(top_p), rep(top_k))
     probs = torch.softmax(shaped, dim=-1)  # as Engine._accept shapes the sampled rows
     assert got == host_walks(trees, probs, temperature == 0, seeds, positions)
+
+
+@pytest.mark.parametrize("rows", ["greedy", "sampled", "mixed"])
+@pytest.mark.usefixtures("cpu_kernels")
+def test_accept_batch_through_the_kernel_equals_the_host_walk(rows, monkeypatch):
+    """``--device-accept on`` vs ``off`` (``EngineConfig.device_accept``): the same (path, bonus) for every
+    request of a batch, greedy and sampled (temperature, top-p, top-k) alike; ``auto`` on CPU logits walks
+    on the host."""
+    import verifier_svc.batch_accept as batch_accept
+
+    n_req = 8
+    trees, logits = random_batch(60 + len(rows), n_req, 10, vocab=30, stochastic=rows != "greedy")
+    temperature = {"greedy": [0.0] * n_req, "sampled": [0.7, 1.0, 1.3, 0.9] * 2}
+    temperature["mixed"] = [0.0, 0.8, 0.0, 1.0, 1.2, 0.0, 0.6, 1.0]
+    top_p, top_k = [1.0, 0.9, 1.0, 0.8] * 2, [0, 0, 5, 3] * 2
+    plain = SpecRequest("none", 0, 0, "", "")
+    reqs = [
+        GenerationRequest(str(b), [], t, p, k, random.Random(b).getrandbits(63), 8, (), False, plain)
+        for b, (t, p, k) in enumerate(zip(temperature[rows], top_p, top_k, strict=True))
+    ]
+    context = [11 + 3 * b for b in range(n_req)]
+    counts = [len(t) + 1 for t in trees]
+    launches = []
+    real = batch_accept.accept_on_device
+    monkeypatch.setattr(batch_accept, "accept_on_device", lambda *a: launches.append(1) or real(*a))
+    on = batch_accept.accept_batch(reqs, context, trees, logits, counts, device_accept=True)
+    assert launches == [1]
+    off = batch_accept.accept_batch(reqs, context, trees, logits, counts, device_accept=False)
+    auto = batch_accept.accept_batch(reqs, context, trees, logits, counts)
+    assert launches == [1]  # neither off nor auto (CPU logits) launched the kernel
+    assert on == off == auto
+    assert sum(len(path) for path, _ in off) >= n_req // 2  # walks do go down the trees
+
+
+def test_a_tree_over_the_kernels_bitmask_takes_the_host_walk_even_when_forced(monkeypatch):
+    import verifier_svc.batch_accept as batch_accept
+
+    monkeypatch.setattr(batch_accept, "accept_on_device", lambda *a: pytest.fail("the kernel takes 63 nodes at most"))
+    n = batch_accept.KERNEL_MAX_NODES + 1
+    chain = TokenTree([3] * n, list(range(-1, n - 1)))
+    logits = torch.zeros(n + 1, 10)
+    logits[:, 3] = 1.0  # the target agrees with every node
+    req = GenerationRequest("r", [], 0.0, 1.0, 0, 1, 8, (), False, SpecRequest("none", 0, 0, "", ""))
+    got = batch_accept.accept_batch([req], [5], [chain], logits, [n + 1], device_accept=True)
+    assert got == [(list(range(n)), 3)]
 
 
 def test_launcher_rejects_mismatched_rows():
@@ -169,6 +217,7 @@ def _first_token_tv(n: int, stochastic: bool, device: str = "cpu") -> tuple[floa
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["deterministic-draft", "sparse-q-draft"])
+@pytest.mark.usefixtures("cpu_kernels")
 def test_first_emitted_token_converges_to_the_target(stochastic):
     """Interpreter-sized: 320 walks, sampling noise of TV about sqrt(V / N) / 2 = 0.08."""
     tv_small, _, _ = _first_token_tv(40, stochastic)

@@ -93,6 +93,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.usefixtures("cpu_kernels")
 def test_kernel_matches_reference(name):
     n_req, nodes, prefix, heads, kv_heads, dim, dtype, splits, exact = CASES[name]
     args, _ = make_batch(7, n_req, nodes, prefix, heads, kv_heads, dim, dtype, exact=exact)
@@ -102,6 +103,7 @@ def test_kernel_matches_reference(name):
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_kernel_differs_from_reference_when_a_tree_bit_is_flipped():
     """The comparison above can fail: one ancestor bit changes the kernel's output for that row."""
     args, _ = make_batch(11, 1, 6, 20, 2, 1, 16, torch.float32, exact=True)

@@ -56,6 +56,7 @@ def tiny_llama():
     return support.tiny_llama()
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_model_runner_through_the_kernel_matches_the_sdpa_path(tiny_llama, monkeypatch):
     import specmesh_kernels.tree_attention as hook
 
@@ -85,20 +86,46 @@ def test_model_runner_through_the_kernel_matches_the_sdpa_path(tiny_llama, monke
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (greedy equality with the kernel on)")
 def test_greedy_tree_verification_on_the_gpu_matches_the_sdpa_path(lm, chat_ids):
-    model = copy.deepcopy(lm.model).to("cuda")
+    dev, dtype = torch.device("cuda"), torch.float32  # the runners' own: the weights are moved to match
+    model = copy.deepcopy(lm.model).to(dev, dtype)
     ids = chat_ids("Write a haiku about the sea.")
-    runners = [
-        ModelRunner(copy.deepcopy(model), torch.device("cuda"), torch.float32, 1024, flag) for flag in (False, True)
-    ]
+    runners = [ModelRunner(copy.deepcopy(model), dev, dtype, 1024, tree_kernel=flag) for flag in (False, True)]
+    assert [r.tree_kernel for r in runners] == [False, True]
     n = len(ids)
-    pos = torch.arange(n, device="cuda")[None]
-    tok = torch.tensor([ids], device="cuda")
+    pos = torch.arange(n, device=dev)[None]
+    tok = torch.tensor([ids], device=dev)
     outs = []
     for r in runners:
         r.forward(slice(0, 1), tok[:, :-1], pos[:, :-1], causal_mask(pos[:, :-1], n - 1))
         positions, mask, write_pos = tree_step([n - 1], [[-1, 0, 1, -1, 3, 3]])
-        tree_ids = torch.tensor([[ids[-1], 5, 6, 7, 8, 9, 10]], device="cuda")
-        hidden = r.forward(slice(0, 1), tree_ids, positions.cuda(), mask.cuda(), write_pos.cuda())
+        tree_ids = torch.tensor([[ids[-1], 5, 6, 7, 8, 9, 10]], device=dev)
+        hidden = r.forward(slice(0, 1), tree_ids, positions.to(dev), mask.to(dev), write_pos.to(dev))
         outs.append(r.logits(hidden))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=1e-3)
     assert torch.equal(outs[1].argmax(-1), outs[0].argmax(-1))
+
+
+def test_the_engines_tree_meta_built_from_trees_equals_the_one_read_from_its_mask():
+    """``tree_meta_from_trees`` (the engine's, no device read) gives exactly what ``tree_meta_from_mask``
+    derives from ``decode_inputs``' mask, for random ragged batches and for plain decode steps."""
+    import random
+
+    from specmesh.server.tree import TokenTree
+    from specmesh_kernels.tree_attention import tree_meta_from_trees
+    from verifier_svc.step_inputs import decode_inputs
+
+    rng = random.Random(3)
+    for case in range(40):
+        b = rng.randint(1, 6)
+        max_nodes = 0 if case % 5 == 0 else rng.randint(1, 63)
+        trees = []
+        for _ in range(b):
+            n = rng.randint(0, max_nodes)
+            trees.append(TokenTree([rng.randrange(50) for _ in range(n)], [rng.randrange(-1, i) for i in range(n)]))
+        lengths = [rng.randint(1, 90) for _ in range(b)]
+        step = decode_inputs([7] * b, lengths, trees, torch.device("cpu"))
+        want = tree_meta_from_mask(step.mask, step.write_pos)
+        got = tree_meta_from_trees([t.parents for t in trees], lengths, step.input_ids.shape[1], "cpu")
+        assert want is not None
+        for field in ("start", "row_prefix", "bits"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (case, field)

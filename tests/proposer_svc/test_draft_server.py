@@ -16,6 +16,7 @@ from support import (
     assert_greedy_equal,
     assert_second_tokens_chi_square,
     forgets_the_residual,
+    on_cpu,
     second_token_counts,
     start_verifier,
     stop_verifier,
@@ -35,7 +36,7 @@ WEAK = SpecDecodeParams(proposer="weak", num_speculative_tokens=4, max_tree_node
 
 def start_draft(log_dir: Path, model: str | None, *args: str) -> tuple[str, subprocess.Popen]:
     address = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "specmesh", "serve", "draft", "--address", address, "--threads", "1", *args]
+    cmd = [sys.executable, "-m", "specmesh", "serve", "draft", "--address", address, "--threads", "1", *on_cpu(args)]
     if model:
         cmd += ["--model", model]
     log = (log_dir / f"draft-{address.rsplit(':', 1)[1]}.log").open("wb")

@@ -202,10 +202,10 @@ class RecordingRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.calls: list[tuple[str, int, int, int]] = []  # (kind, rows, width, first position)
 
-    def forward(self, rows, input_ids, positions, mask, write_pos=None, packing=None):
+    def forward(self, rows, input_ids, positions, mask, write_pos=None, packing=None, **kw):
         kind = "prefill" if write_pos is None else "decode"
         self.calls.append((kind, input_ids.shape[0], input_ids.shape[1], int(positions[0, 0])))
-        return super().forward(rows, input_ids, positions, mask, write_pos, packing)
+        return super().forward(rows, input_ids, positions, mask, write_pos, packing, **kw)
 
 
 @pytest.mark.slow

@@ -161,8 +161,8 @@ def test_packed_steps_verify_a_batch_of_ragged_trees_to_plain_greedy_computing_f
     class CountingRunner(ModelRunner):
         tokens = 0  # tokens the decode forwards computed (padding included)
 
-        def forward(self, rows, input_ids, positions, mask, write_pos=None, packing=None):
-            out = super().forward(rows, input_ids, positions, mask, write_pos, packing)
+        def forward(self, rows, input_ids, positions, mask, write_pos=None, packing=None, **kw):
+            out = super().forward(rows, input_ids, positions, mask, write_pos, packing, **kw)
             if write_pos is not None:  # decode steps (prefill passes none)
                 self.tokens += out.shape[0] * out.shape[1]
             return out

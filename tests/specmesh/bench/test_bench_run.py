@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import cpu_only_env
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -27,7 +28,7 @@ def tiny_run(tmp_path_factory):
         sys.executable, "-m", "specmesh", "bench", "--categories", "code_edit", "--limit", "2", "--max-tokens", "16",
         "--modes", "plain,ngram,oracle,hf-greedy", "--concurrency", "1,2", "--out", str(out), "--corrupt", "ngram",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=cpu_only_env())
     records = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
     return proc, out, records
 

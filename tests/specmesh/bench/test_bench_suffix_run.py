@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import cpu_only_env
 
 from specmesh.bench.workload import DEV_MEASURED, DEV_WARMUP
 
@@ -28,7 +29,7 @@ def test_a_warm_suffix_run_over_both_turns_is_lossless_and_says_how_it_was_warme
         str(DEV_WARMUP), "--warmup-limit", "1", "--categories", "mt_bench", "--limit", "1", "--max-tokens", "8",
         "--modes", "plain,ngram,suffix", "--out", str(tmp_path),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=cpu_only_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert sorted((r["mode"], r["turn"]) for r in records) == [

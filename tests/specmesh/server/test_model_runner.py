@@ -51,6 +51,8 @@ def _tree_step(runner: ModelRunner, packed: bool, mask_fault: bool = False) -> t
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "tree-kernel"])
 def test_a_packed_tree_step_gives_the_padded_steps_states_and_cache(tiny_llama, kernel):
+    if kernel:
+        support.require_cpu_kernels()
     runners = [
         ModelRunner(copy.deepcopy(tiny_llama), torch.device("cpu"), torch.float32, 256, tree_kernel=kernel)
         for _ in range(3)

@@ -1,0 +1,184 @@
+"""``make gpu-bundle``: what the GPU machine lacks for ``make gpu-check``, downloaded here into ``.whl/``.
+
+The GPU machine (x86-64, Python 3.12, no network) has torch, triton, transformers, accelerate, grpcio,
+protobuf, prometheus-client, tokenizers, safetensors, httpx and numpy. This script
+1. imports everything the check and the services it starts import, maps those modules to their
+   distributions, and names any that neither the GPU image (those packages and what they require)
+   nor the bundle provides: such a gap shows here, not on the GPU;
+2. downloads cp312 manylinux wheels, pinned to this venv's versions, of what the image lacks or has in
+   an unknown version that the generated stubs check (grpcio, protobuf and the grpc plug-ins);
+   transformers + huggingface-hub into ``.whl/fallback`` (used there only if the machine's transformers is
+   older than pyproject's floor) and numba + llvmlite (the suffix proposer), each only where it fits;
+3. copies the default model's tokenizer files into ``.whl/tokenizer`` (the weights stay behind: the
+   check builds random-weight models there);
+4. checks that the tree plus ``.whl/`` fit the 64 MiB a device run carries, and prints the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLE = ROOT / ".whl"
+CARRY_LIMIT = 64 * 2**20
+GPU_IMAGE = (
+    "torch", "triton", "transformers", "accelerate", "grpcio", "protobuf", "prometheus-client", "tokenizers",
+    "safetensors", "httpx", "numpy",
+)  # fmt: skip
+# Always bundled: the stubs under specmesh/v1 were generated for these versions and check them at import.
+PINNED = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "redis")
+TESTING = ("pytest", "pytest-timeout", "pygments")  # the check's gpu_tests section (with what they require)
+OPTIONAL = ("numba", "llvmlite")  # the suffix proposer; llvmlite alone is ~40 MB
+# Used on the GPU machine only where its own transformers is older than pyproject's floor (gpu_check.py).
+FALLBACK = ("transformers", "huggingface-hub")
+# Modules the check's process and its services import (the services' own imports come along).
+ENTRY_MODULES = (
+    "verifier_svc.server", "verifier_svc.engine", "proposer_svc.suffix_server", "proposer_svc.draft",
+    "specmesh.bench.oracle", "specmesh.cli", "specmesh.health", "specmesh.deploy", "specmesh.server.model_loading",
+    "gpu_kit.end_to_end", "gpu_kit.numbers", "gpu_kit.engine_profile", "gpu_kit.kernel_checks", "gpu_kit.environment",
+)  # fmt: skip
+# Imported here but optional where they are absent (transformers probes for them), or not used at run time.
+NOT_NEEDED = {"pillow", "grpcio-tools", "truststore", "setuptools", "specmesh", "httpx2", "httpcore2"}
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def canonical(name: str) -> str:
+    """PEP 503 name.
+
+    >>> canonical("Prometheus_Client"), canonical("grpcio.tools")
+    ('prometheus-client', 'grpcio-tools')
+    """
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirements_closure(roots: tuple[str, ...]) -> set[str]:
+    """``roots`` and everything they require on the GPU machine (Linux, CPython 3.12, no extras), read
+    from this venv's metadata; a requirement not installed here ends the walk at its name."""
+    from packaging.requirements import Requirement
+
+    target = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+              "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+              "extra": ""}  # fmt: skip
+    seen: set[str] = set()
+    todo = [canonical(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        for text in reqs:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate(target):
+                todo.append(canonical(req.name))
+    return seen
+
+
+def imported_distributions() -> set[str]:
+    """Distributions of every top-level module the entry modules import."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    for m in ENTRY_MODULES:
+        importlib.import_module(m)
+    owners = md.packages_distributions()
+    return {canonical(d) for top in {n.split(".")[0] for n in sys.modules} for d in owners.get(top, [])}
+
+
+def download(names: list[str], dest: Path) -> None:
+    specs = [f"{n}=={md.version(n)}" for n in names]
+    plats = [x for p in PLATFORMS for x in ("--platform", p)]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+           "3.12", "--implementation", "cp", *plats, "-d", str(dest), *specs]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"gpu-bundle: pip download failed:\n{done.stdout}{done.stderr}")
+
+
+def tree_bytes() -> int:
+    """Bytes of what a device run carries besides .whl/: tracked files and untracked, not ignored ones."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+    return sum((ROOT / p).stat().st_size for p in out.decode().split("\0") if p and (ROOT / p).is_file())
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-optional", action="store_true", help="leave numba/llvmlite out even if they fit")
+    args = ap.parse_args(argv)
+
+    image = requirements_closure(GPU_IMAGE)
+    gap = imported_distributions() - image - NOT_NEEDED - set(PINNED) - set(OPTIONAL)
+    if gap:
+        print(f"gpu-bundle: also bundling what the GPU image may lack: {', '.join(sorted(gap))}")
+    wanted = sorted(set(PINNED) | set(TESTING) | ((requirements_closure((*TESTING, *gap)) | gap) - image - NOT_NEEDED))
+    BUNDLE.mkdir(exist_ok=True)
+    for old in BUNDLE.glob("*.whl"):
+        old.unlink()
+    for built in ("site", "fallback-site"):
+        shutil.rmtree(BUNDLE / built, ignore_errors=True)
+    download(wanted, BUNDLE)
+
+    from specmesh.server.model_loading import resolve_model_path
+
+    tok_src, tok_dst = resolve_model_path(), BUNDLE / "tokenizer"
+    tok_dst.mkdir(exist_ok=True)
+    for f in TOKENIZER_FILES:
+        if (tok_src / f).is_file():
+            shutil.copy(tok_src / f, tok_dst / f)
+
+    tree = tree_bytes()
+    shutil.rmtree(BUNDLE / "fallback", ignore_errors=True)
+    tiers = [
+        (FALLBACK, BUNDLE / "fallback", "the check needs the machine's transformers to be recent enough"),
+        (OPTIONAL, BUNDLE, "the check skips the suffix proposer unless the GPU image has numba"),
+    ]
+    for names, dest, without in tiers if not args.no_optional else tiers[:1]:
+        room = CARRY_LIMIT - tree - dir_bytes(BUNDLE)
+        extra = BUNDLE / "incoming"
+        shutil.rmtree(extra, ignore_errors=True)
+        download(list(names), extra)
+        if dir_bytes(extra) <= room:
+            dest.mkdir(exist_ok=True)
+            for w in extra.glob("*.whl"):
+                w.rename(dest / w.name)
+        else:
+            print(
+                f"gpu-bundle: {' + '.join(names)} ({dir_bytes(extra) / 2**20:.1f} MiB) do not fit the "
+                f"{room / 2**20:.1f} MiB left: {without}"
+            )
+        shutil.rmtree(extra, ignore_errors=True)
+    total = tree + dir_bytes(BUNDLE)
+    wheels = sorted(str(w.relative_to(BUNDLE)) for w in BUNDLE.rglob("*.whl"))
+    print(f"gpu-bundle: {len(wheels)} wheels in .whl/: {', '.join(wheels)}")
+    print(
+        f"gpu-bundle: tree {tree / 2**20:.1f} MiB + .whl {dir_bytes(BUNDLE) / 2**20:.1f} MiB = {total / 2**20:.1f} MiB "
+        f"of the {CARRY_LIMIT / 2**20:.0f} MiB a device run carries"
+    )
+    if total > CARRY_LIMIT:
+        print("gpu-bundle: over the limit: the run would not carry it", file=sys.stderr)
+        return 1
+    print('gpu-bundle: on the GPU machine run (device tool, carry [".whl"], timeout_s 480):')
+    print("    make gpu-check")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""SpecMesh on a GPU in one command (``make gpu-check``): kernels at real shapes, the verifier end to end,
+host syncs, and the numbers, each section time-boxed; a report however far it got.
+
+    python3 benchmarks/gpu_check.py                       # on the GPU machine (its own python3 and torch)
+    python3 benchmarks/gpu_check.py --device cpu --quick  # the dry run `make test` runs (tiny, interpreted)
+
+Writes ``gpu-report.md`` and ``gpu-report.json`` to ``$OUT`` when set (the device tool brings it back), else
+``--out`` (default docs/gpu/). Exit status 0 when no section failed (skipped and partial sections do not
+fail the run). Sections (``--sections`` picks some):
+
+- environment: GPU, driver, CUDA, torch, triton, transformers, the measured copy bandwidth;
+- tree_attention: the Triton kernel within dtype tolerance of its torch reference;
+- acceptance: the batched acceptance kernel identical to the host walk; sampled convergence;
+- end_to_end: the verifier process on the device, kernels on and off, greedy equality with ``generate()``;
+- decode_step: device→host copies per decode step (batch 8, 16-node trees) and the step's profile;
+- draft: the draft proposer's device→host copies per proposal;
+- attention_numbers: tree attention vs SDPA (and FlexAttention), as a share of the copy bandwidth;
+- cost_curves: verification cost per tree size, the oracle ceiling, plain decoding vs ``generate()``;
+- gpu_tests: the test suite's GPU-only kernel tests (pytest, from the bundle).
+
+Runs without installing SpecMesh: the checkout's packages are put on the path (``kernels/`` and
+``router/`` under their installed names), and ``.whl/site`` too (what ``make gpu-bundle`` brought).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = {  # name → (module, function, budget seconds on a GPU); the run's --budget caps them all
+    "environment": ("gpu_kit.environment", "environment_section", 20),
+    "tree_attention": ("gpu_kit.kernel_checks", "tree_attention_section", 50),
+    "acceptance": ("gpu_kit.kernel_checks", "acceptance_section", 45),
+    "end_to_end": ("gpu_kit.end_to_end", "end_to_end_section", 130),
+    "decode_step": ("gpu_kit.engine_profile", "decode_step_section", 35),
+    "draft": ("gpu_kit.engine_profile", "draft_section", 20),
+    "attention_numbers": ("gpu_kit.numbers", "attention_section", 50),
+    "cost_curves": ("gpu_kit.numbers", "cost_section", 100),
+    "gpu_tests": ("gpu_kit.suite", "suite_section", 45),
+}
+
+
+def transformers_recent(root: Path) -> bool:
+    """Whether this python's transformers meets pyproject's floor (``transformers>=X``)."""
+    import importlib.metadata
+    import re
+
+    floor = re.search(r'"transformers>=([0-9.]+)', (root / "pyproject.toml").read_text())
+    try:
+        have = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    as_tuple = lambda v: tuple(int(x) for x in re.findall(r"\d+", v)[:3])  # noqa: E731
+    return floor is None or as_tuple(have) >= as_tuple(floor.group(1))
+
+
+def checkout_on_path(root: Path, work: Path) -> None:
+    """Make the checkout importable as installed (for this process and the services it starts): the
+    bundle's site folder, then links ``specmesh_kernels`` → kernels/ and ``specmesh_router`` → router/."""
+    import importlib.util
+
+    paths = [str(root / ".whl" / "site")] if (root / ".whl" / "site").is_dir() else []
+    fallback = root / ".whl" / "fallback-site"
+    if fallback.is_dir() and not transformers_recent(root):
+        paths.append(str(fallback))
+    if importlib.util.find_spec("specmesh_kernels") is None or importlib.util.find_spec("specmesh") is None:
+        links = work / "path"
+        links.mkdir(parents=True, exist_ok=True)
+        for name, folder in (("specmesh_kernels", "kernels"), ("specmesh_router", "router")):
+            if not (links / name).exists():
+                (links / name).symlink_to(root / folder, target_is_directory=True)
+        paths += [str(links), str(root)]
+    paths.append(str(Path(__file__).resolve().parent))  # gpu_kit
+    sys.path[:0] = paths
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present, else cpu)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and few items (the CPU dry run)")
+    ap.add_argument(
+        "--out", default=str(ROOT / "docs" / "gpu"), help="report folder when $OUT is unset (default: %(default)s)"
+    )
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default: %(default)s)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset (default: all)")
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="folder with tokenizer.json (default: .whl/tokenizer, else the default model's)",
+    )
+    ap.add_argument("--work", default=None, help="scratch folder (default: a new temporary one)")
+    args = ap.parse_args(argv)
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections: {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
+
+    started = time.monotonic()
+    work = Path(args.work or tempfile.mkdtemp(prefix="specmesh-gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.device and not args.device.startswith("cuda"):
+        # Kernels on CPU tensors need Triton's interpreter, chosen before triton is first imported
+        # (the verifier processes this run starts inherit it).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    checkout_on_path(ROOT, work)
+
+    import torch
+    from gpu_kit.context import CheckContext, find_tokenizer
+    from gpu_kit.environment import header
+    from gpu_kit.report import Deadline, Report
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (the dry run is --device cpu --quick)")
+    if device.type == "cpu":
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    ctx = CheckContext(device, args.quick, work, find_tokenizer(ROOT, args.tokenizer), ROOT)
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(args.out)
+    report = Report(header(ctx), out)
+    total = Deadline(args.budget - (time.monotonic() - started))
+    scale = 1.0 if device.type == "cuda" else 2.0  # the interpreter is slow: the dry run's sections get longer
+    import importlib
+
+    for name in args.sections.split(","):
+        module, fn, budget = SECTIONS[name]
+        report.run(name, getattr(importlib.import_module(module), fn), ctx, budget * scale, total)
+    print(f"gpu-check: report in {out}/gpu-report.md ({time.monotonic() - started:.0f} s)", flush=True)
+    bad = [s.name for s in report.sections if s.status in ("fail", "error")]
+    if bad:
+        print(f"gpu-check: FAILED sections: {', '.join(bad)}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The test suite's GPU-only tests, run where they mean something: the kernel tests at GPU sizes (their
+CPU-interpreter siblings skip on a CUDA host, with a reason). Tests that need the real model's weights
+(the ``lm`` fixture) stay behind: the weights do not travel to the GPU machine."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from gpu_kit.context import CheckContext
+from gpu_kit.report import Deadline, Section
+
+GPU_TESTS = ("tests/kernels/test_tree_attention.py", "tests/kernels/test_tree_accept.py")
+QUICK_TESTS = ("tests/kernels/test_tree_attention.py",)
+
+
+def suite_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        sec.status = "skipped"
+        sec.notes.append("skipped: pytest is not importable here (`make gpu-bundle` brings it)")
+        return
+    files = QUICK_TESTS if ctx.quick else GPU_TESTS
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-rs", *files]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        run = subprocess.run(
+            cmd, cwd=ctx.root, env=env, capture_output=True, text=True, timeout=max(deadline.left(), 1.0)
+        )
+    except subprocess.TimeoutExpired:
+        sec.budget_spent(0, 1)
+        return
+    tail = run.stdout.strip().splitlines()
+    summary = next((ln for ln in reversed(tail) if re.search(r"\d+ (passed|failed|error)", ln)), "no summary line")
+    sec.summary = f"{' '.join(files)}: {summary.strip('= ')}"
+    skipped = [ln for ln in tail if ln.startswith("SKIPPED")]
+    t = sec.table("skipped, with their reasons", ["test"])
+    t.rows += [[ln] for ln in skipped[:20]]
+    if run.returncode != 0:
+        sec.fail(f"pytest exited {run.returncode}")
+        sec.notes.append("```\n" + "\n".join(tail[-40:]) + "\n" + run.stderr[-2000:] + "\n```")
