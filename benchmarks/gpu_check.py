@@ -75,7 +75,7 @@ def checkout_on_path(root: Path, work: Path) -> None:
             if not (links / name).exists():
                 (links / name).symlink_to(root / folder, target_is_directory=True)
         paths += [str(links), str(root)]
-    paths.append(str(Path(__file__).resolve().parent))  # gpu_kit
+    paths += [str(Path(__file__).resolve().parent), str(root / "tests")]  # gpu_kit; the suite's helpers (support)
     sys.path[:0] = paths
     os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
 

@@ -394,3 +394,51 @@ def metric(port: int, name: str, **labels: str) -> float:
         ):
             total += float(m.group(3))
     return total
+
+
+def first_token_tv(n: int, stochastic: bool, device: str = "cpu", vocab: int = 8) -> tuple[float, float, list[tuple]]:
+    """The sampled-acceptance convergence test: (TV distance of the first emitted token's empirical
+    distribution to the target p over ``n`` seeded walks of one tree, the TV of the nearest of 20 unrelated
+    distributions, each walk's (path, bonus)). The tree has 3 root children, then 1–3 children each; all
+    ``n`` walks run as the requests of a single kernel launch. Shared by tests/kernels and ``make gpu-check``."""
+    import random
+
+    import torch
+
+    from specmesh.server.tree import TokenTree
+    from specmesh_kernels.tree_accept import PackedTrees, tree_accept_kernel_launch, unpack_result
+    from verifier_svc.acceptance import acceptance_uniforms
+
+    gen = torch.Generator().manual_seed(4)
+    parents = [-1, -1, -1, 0, 0, 1, 2, 2, 2]
+    p = torch.rand(len(parents) + 1, vocab, generator=gen, dtype=torch.float64) ** 2
+    p = p / p.sum(-1, keepdim=True)  # [nodes + 1, V] target rows
+    q = torch.rand(len(parents), vocab, generator=gen, dtype=torch.float64) ** 2
+    q = q / q.sum(-1, keepdim=True)  # each node's proposal distribution
+    rng = random.Random(4)
+    trees = []
+    for _ in range(n):
+        if stochastic:  # every node drawn from its own q, as a stochastic proposer does
+            tokens = [rng.choices(range(vocab), weights=q[i].tolist())[0] for i in range(len(parents))]
+            dists = [(list(range(vocab)), q[i].tolist()) for i in range(len(parents))]
+            trees.append(TokenTree(tokens, parents, dists))
+        else:
+            trees.append(TokenTree([1, 3, 5, 0, 2, 4, 6, 7, 1], parents))
+    probs = p.float().repeat(n, 1).to(device)
+    greedy = torch.zeros(n, dtype=torch.bool, device=device)
+    seeds, positions = torch.arange(n, device=device), torch.full((n,), 7, device=device)
+    packed = PackedTrees.from_lists(
+        [t.tokens for t in trees], [t.parents for t in trees], [t.dists for t in trees], device=device
+    )
+    u = acceptance_uniforms(seeds, positions, len(parents) + 1, len(parents) + 1)
+    results = unpack_result(tree_accept_kernel_launch(probs, probs.argmax(-1), packed, greedy, u).cpu())
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for tree, (path, bonus) in zip(trees, results, strict=True):
+        counts[tree.tokens[path[0]] if path else bonus] += 1
+    tv = 0.5 * float((counts / n - p[0].float().double()).abs().sum())
+    other = torch.Generator().manual_seed(99)
+    unrelated = min(
+        0.5 * float((d / d.sum() - p[0]).abs().sum())
+        for d in (torch.rand(vocab, generator=other, dtype=torch.float64) ** 2 for _ in range(20))
+    )
+    return tv, unrelated, results

@@ -161,50 +161,18 @@ def acceptance_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
     sec.summary = f"{sum(len(x.rows) for x in sec.tables[:1])} rounds, {mismatches} mismatches; " + sec.summary
 
 
-def first_token_tv(n: int, stochastic: bool, device: torch.device, vocab: int = 8) -> float:
-    """Total-variation distance from the target ``p`` of the first token emitted by ``n`` seeded walks of one
-    tree (3 root children, then 1–3 children each), all ``n`` in one kernel launch."""
-    from specmesh.server.tree import TokenTree
-    from specmesh_kernels.tree_accept import PackedTrees, tree_accept_kernel_launch, unpack_result
-    from verifier_svc.acceptance import acceptance_uniforms
-
-    gen = torch.Generator().manual_seed(4)
-    parents = [-1, -1, -1, 0, 0, 1, 2, 2, 2]
-    p = torch.rand(len(parents) + 1, vocab, generator=gen, dtype=torch.float64) ** 2
-    p = p / p.sum(-1, keepdim=True)  # [nodes + 1, V] target rows
-    q = torch.rand(len(parents), vocab, generator=gen, dtype=torch.float64) ** 2
-    q = q / q.sum(-1, keepdim=True)  # each node's proposal distribution
-    if stochastic:  # every node drawn from its own q, as a stochastic proposer does
-        drawn = torch.multinomial(q.float(), n, replacement=True, generator=gen).T.tolist()  # [n, nodes]
-        dists = [(list(range(vocab)), q[i].tolist()) for i in range(len(parents))]
-        trees = [TokenTree(tokens, parents, dists) for tokens in drawn]
-    else:
-        trees = [TokenTree([1, 3, 5, 0, 2, 4, 6, 7, 1], parents)] * n
-    packed = PackedTrees.from_lists(
-        [t.tokens for t in trees], [t.parents for t in trees], [t.dists for t in trees], device=device
-    )
-    probs = p.float().repeat(n, 1).to(device)
-    u = acceptance_uniforms(
-        torch.arange(n, device=device), torch.full((n,), 7, device=device), len(parents) + 1, len(parents) + 1
-    )
-    greedy = torch.zeros(n, dtype=torch.bool, device=device)
-    results = unpack_result(tree_accept_kernel_launch(probs, probs.argmax(-1), packed, greedy, u).cpu())
-    counts = torch.zeros(vocab, dtype=torch.float64)
-    for tree, (path, bonus) in zip(trees, results, strict=True):
-        counts[tree.tokens[path[0]] if path else bonus] += 1
-    return 0.5 * float((counts / n - p[0]).abs().sum())
-
-
 def converge(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
     """TV at N and 100·N walks: it must fall about tenfold (1/sqrt(N)); the noise floor at N is
     about sqrt(V / N) / 2."""
+    from support import first_token_tv  # tests/support.py: the suite's convergence test
+
     small, large = (40, 320) if ctx.quick else (1_000, 100_000)
     t = sec.table("sampled acceptance: first-token TV to the target", ["draft", f"N={small}", f"N={large}", "ratio"])
     for stochastic in (False, True):
         if deadline.spent():
             sec.budget_spent(int(stochastic), 2)
             return
-        a, b = (first_token_tv(n, stochastic, ctx.device) for n in (small, large))
+        a, b = (first_token_tv(n, stochastic, str(ctx.device))[0] for n in (small, large))
         name = "sparse q" if stochastic else "deterministic"
         t.rows.append([name, a, b, a / max(b, 1e-12)])
         ok = (b < 0.1 and b < a) if ctx.quick else (b < 0.01 and a / max(b, 1e-12) > 4)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from support import first_token_tv
 
 from specmesh.server.sampling import filter_logits
 from specmesh.server.tree import TokenTree
@@ -175,53 +176,12 @@ def test_launcher_rejects_mismatched_rows():
         tree_accept_kernel_launch(probs, logits.argmax(-1).int(), *args)
 
 
-VOCAB = 8
-
-
-def _first_token_tv(n: int, stochastic: bool, device: str = "cpu") -> tuple[float, float, list[tuple]]:
-    """TV distance of the first emitted token's empirical distribution to p, over n seeded walks of one
-    tree (3 root children, then 1-3 children each) run as n requests of a single launch."""
-    gen = torch.Generator().manual_seed(4)
-    parents = [-1, -1, -1, 0, 0, 1, 2, 2, 2]
-    p = torch.rand(len(parents) + 1, VOCAB, generator=gen, dtype=torch.float64) ** 2
-    p = p / p.sum(-1, keepdim=True)  # [n+1, V] target rows
-    q = torch.rand(len(parents), VOCAB, generator=gen, dtype=torch.float64) ** 2
-    q = q / q.sum(-1, keepdim=True)  # each node's proposal distribution
-    rng = random.Random(4)
-    trees = []
-    for _ in range(n):
-        if stochastic:  # every node drawn from its own q, as a stochastic proposer does
-            tokens = [rng.choices(range(VOCAB), weights=q[i].tolist())[0] for i in range(len(parents))]
-            dists = [(list(range(VOCAB)), q[i].tolist()) for i in range(len(parents))]
-            trees.append(TokenTree(tokens, parents, dists))
-        else:
-            trees.append(TokenTree([1, 3, 5, 0, 2, 4, 6, 7, 1], parents))
-    probs = p.float().repeat(n, 1).to(device)
-    greedy = torch.zeros(n, dtype=torch.bool, device=device)
-    seeds, positions = torch.arange(n, device=device), torch.full((n,), 7, device=device)
-    packed = PackedTrees.from_lists(
-        [t.tokens for t in trees], [t.parents for t in trees], [t.dists for t in trees], device=device
-    )
-    u = table(seeds, positions, trees)
-    results = unpack_result(tree_accept_kernel_launch(probs, probs.argmax(-1), packed, greedy, u).cpu())
-    counts = torch.zeros(VOCAB, dtype=torch.float64)
-    for tree, (path, bonus) in zip(trees, results, strict=True):
-        counts[tree.tokens[path[0]] if path else bonus] += 1
-    tv = 0.5 * float((counts / n - p[0].float().double()).abs().sum())
-    other = torch.Generator().manual_seed(99)
-    unrelated = min(
-        0.5 * float((d / d.sum() - p[0]).abs().sum())
-        for d in (torch.rand(VOCAB, generator=other, dtype=torch.float64) ** 2 for _ in range(20))
-    )
-    return tv, unrelated, results
-
-
 @pytest.mark.parametrize("stochastic", [False, True], ids=["deterministic-draft", "sparse-q-draft"])
 @pytest.mark.usefixtures("cpu_kernels")
 def test_first_emitted_token_converges_to_the_target(stochastic):
     """Interpreter-sized: 320 walks, sampling noise of TV about sqrt(V / N) / 2 = 0.08."""
-    tv_small, _, _ = _first_token_tv(40, stochastic)
-    tv, unrelated, results = _first_token_tv(320, stochastic)
+    tv_small, _, _ = first_token_tv(40, stochastic)
+    tv, unrelated, results = first_token_tv(320, stochastic)
     print(f"TV {tv:.4f} (40 walks: {tv_small:.4f}), nearest unrelated distribution {unrelated:.4f}")
     assert tv < 0.1 and tv < unrelated / 2 and tv < tv_small, (tv, unrelated, tv_small)
     assert any(path for path, _ in results) and any(not path for path, _ in results)
@@ -230,5 +190,5 @@ def test_first_emitted_token_converges_to_the_target(stochastic):
 @requires_cuda
 @pytest.mark.parametrize("stochastic", [False, True], ids=["deterministic-draft", "sparse-q-draft"])
 def test_first_emitted_token_converges_like_one_over_sqrt_n_on_the_gpu(stochastic):
-    tvs = [_first_token_tv(n, stochastic, "cuda")[0] for n in (1_000, 100_000)]
+    tvs = [first_token_tv(n, stochastic, "cuda")[0] for n in (1_000, 100_000)]
     assert tvs[1] < 0.01 and tvs[0] / tvs[1] > 4
