@@ -16,7 +16,8 @@ Split of work: everything parallel over rows happens in torch before the kernel 
 filtered probabilities, argmax and table of uniforms; here row sums, q normalisation,
 first-child / next-sibling links); the kernel does the sequential part, one program per request:
 the walk down the tree with scalar loads, the child tests, the residual updates (in a float64
-scratch row, written only at a level's first rejection) and the inverse-CDF bonus draw. Float sums
+scratch row, written only at a level's first rejection; barriers around every write, since the
+program's threads read back each other's stores) and the inverse-CDF bonus draw. Float sums
 run in a different order than NumPy's, so a draw can differ from the host walk only when a uniform
 falls within rounding (~1e-16) of a boundary.
 
@@ -108,9 +109,11 @@ def unpack_result(out: torch.Tensor) -> list[tuple[list[int], int]]:
 
 @triton.jit
 def _copy_row(Src, Dst, vocab, BLOCK_V: tl.constexpr):
+    tl.debug_barrier()  # every thread's reads of Dst done before any thread overwrites it
     for start in range(0, vocab, BLOCK_V):
         v = start + tl.arange(0, BLOCK_V)
         tl.store(Dst + v, tl.load(Src + v, mask=v < vocab, other=0.0).to(tl.float64), mask=v < vocab)
+    tl.debug_barrier()  # the row is read next by other threads of the program: its stores must land first
 
 
 @triton.jit
@@ -223,10 +226,14 @@ def _tree_accept_kernel(
                         qp = tl.load(DProbs + (node0 + child) * K + kk, mask=q_ok, other=0.0)
                         valid = q_ok & (qid >= 0)
                         r_ids = tl.load(scratch + qid, mask=valid, other=0.0)
+                        tl.debug_barrier()  # every thread has read r(x) before any overwrites it
                         tl.store(scratch + qid, tl.maximum(r_ids - qp * total, 0.0), mask=valid)
+                        tl.debug_barrier()  # visible to every thread before the sum reads them
                         total = _row_sum(scratch, vocab, BLOCK_V)
                     else:
+                        tl.debug_barrier()  # every thread has read r(x) before any overwrites it
                         tl.store(scratch + x, 0.0)
+                        tl.debug_barrier()  # a later child's load of r(x) must see it
                         total = total - rx
                     if total <= 0.0:  # r == q exactly: start again from p (as the host walk does)
                         _copy_row(p_row, scratch, vocab, BLOCK_V)

@@ -275,9 +275,10 @@ class TreeSearch:
         self.F = Wn
         return pick
 
-    def trees(self, ids: torch.Tensor | None = None) -> list[SearchTree | None]:
+    def trees(self, ids: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> list[SearchTree | None]:
         """Every busy row's tree (idle rows: None), read off the device in one copy; ``ids`` maps
-        the logits' indices to token ids (a reduced vocabulary), None: they are the ids."""
+        the logits' indices to token ids (a reduced vocabulary), None: they are the ids. ``extra``
+        (int [b, X], values below 2**53) rides along in the same copy: ``self.extra_host``, its rows."""
         b, K, dev = len(self.rows), self.config.branch, self.dev
         tok = torch.cat(self.c_tok, 1)  # [b, M]
         tok = tok if ids is None else ids[tok]
@@ -290,13 +291,21 @@ class TreeSearch:
         budget = torch.tensor([min(r.max_nodes, self.config.max_nodes) for r in self.rows], device=dev)
         keep = ok & (self.sampled[:, None] | (rank < budget[:, None]))
         order = torch.where(self.sampled[:, None], torch.arange(M, device=dev)[None].expand(b, M), order)
-        host = [x.cpu() for x in (tok, parent, keep, order, score)]  # the one host copy of the trees
-        tok_h, parent_h, keep_h, order_h = (x.tolist() for x in host[:4])
+        qs = [q if ids is None else ids[q] for q in self.q_ids] + list(self.q_probs) if self.any_sampled else []
+        parts = [tok, parent, keep, order, score, *([extra] if extra is not None else []), *qs]
+        # The one host copy of the trees: every part as float64 (ids and indices < 2**53 stay exact).
+        flat = torch.cat([x.double().reshape(-1) for x in parts]).cpu()
+        host = [x.view(y.shape) for x, y in zip(flat.split([x.numel() for x in parts]), parts, strict=True)]
+        tok_h, parent_h, keep_h, order_h = (x.long().tolist() for x in host[:4])
+        keep_h = [[bool(k) for k in row] for row in keep_h]
         prob_h = host[4].exp().tolist()
+        self.extra_host = host[5].long().tolist() if extra is not None else None
         if self.any_sampled:
+            levels = len(self.q_ids)
             q_sizes = [q.shape[1] for q in self.q_ids]
-            q_ids_h = [(q if ids is None else ids[q]).cpu().tolist() for q in self.q_ids]
-            q_p_h = [q.double().cpu().tolist() for q in self.q_probs]
+            q_host = host[len(host) - 2 * levels :]
+            q_ids_h = [x.long().tolist() for x in q_host[:levels]]
+            q_p_h = [x.tolist() for x in q_host[levels:]]
         out: list[SearchTree | None] = []
         for i, r in enumerate(self.rows):
             if not r.busy:
@@ -461,9 +470,9 @@ class Drafter:
             hidden = runner.forward(rows, search.frontier_tokens, pos, mask, write)  # [b, Wn, h]
             logits = runner.logits(hidden)  # [b, Wn, V]
 
-        storage_h = torch.cat(c_storage, 1).cpu().tolist()
+        trees = search.trees(extra=torch.cat(c_storage, 1))  # trees and storage in one device→host copy
         out: list[DraftTree | None] = []
-        for s, tree, storage in zip(states, search.trees(), storage_h, strict=True):
+        for s, tree, storage in zip(states, trees, search.extra_host, strict=True):
             if tree is None:
                 out.append(None)
                 continue

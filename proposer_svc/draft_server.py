@@ -324,7 +324,12 @@ def load_draft(cfg: DraftServerConfig) -> tuple[Any, Any]:
     text_cfg = lm.model.config.get_text_config()
     model_max = int(getattr(text_cfg, "max_position_embeddings", 0) or 4096)
     max_context = min(cfg.max_context or model_max, model_max)
-    return lm, ModelRunner(lm.model, lm.device, lm.dtype, max_context, packed_linears=cfg.packed_linears)
+    # No tree-attention kernel: a draft level's mask (the candidates' storage slots) is not the kernel's
+    # prefix-and-window form, so on CUDA every forward would pay a device read to find that out.
+    runner = ModelRunner(
+        lm.model, lm.device, lm.dtype, max_context, tree_kernel=False, packed_linears=cfg.packed_linears
+    )
+    return lm, runner
 
 
 async def run(cfg: DraftServerConfig) -> None:

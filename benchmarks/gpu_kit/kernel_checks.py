@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 import torch
-from gpu_kit.context import CheckContext
+from gpu_kit.context import CheckContext, suite_support
 from gpu_kit.report import Deadline, Section
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # as tests/kernels (fp32 math reference)
@@ -158,16 +158,21 @@ def acceptance_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
     if mismatches:
         sec.fail(f"{mismatches} requests accepted differently on the device and on the host")
     converge(ctx, sec, deadline)
-    sec.summary = f"{sum(len(x.rows) for x in sec.tables[:1])} rounds, {mismatches} mismatches; " + sec.summary
+    rounds_run = len(sec.tables[0].rows)
+    tv = "; ".join(f"{r[0]} draft: TV {r[1]:.4f} → {r[2]:.4f}" for r in sec.tables[1].rows)
+    sec.summary = f"{rounds_run} rounds of {n_req} requests, {mismatches} kernel/host mismatches; {tv}"
 
 
 def converge(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
     """TV at N and 100·N walks: it must fall about tenfold (1/sqrt(N)); the noise floor at N is
     about sqrt(V / N) / 2."""
-    from support import first_token_tv  # tests/support.py: the suite's convergence test
+    first_token_tv = suite_support(ctx.root).first_token_tv  # the suite's convergence test
 
     small, large = (40, 320) if ctx.quick else (1_000, 100_000)
-    t = sec.table("sampled acceptance: first-token TV to the target", ["draft", f"N={small}", f"N={large}", "ratio"])
+    t = sec.table(
+        f"sampled acceptance: first-token TV to the target, N={small} and N={large}",
+        ["draft", "TV small", "TV large", "ratio"],
+    )
     for stochastic in (False, True):
         if deadline.spent():
             sec.budget_spent(int(stochastic), 2)
