@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if total > CARRY_LIMIT:
         print("gpu-bundle: over the limit: the run would not carry it", file=sys.stderr)
         return 1
-    print('gpu-bundle: on the GPU machine run (device tool, carry [".whl"], timeout_s 480):')
+    print('gpu-bundle: on the GPU machine run (device tool, carry [".whl"], timeout_s 450):')
     print("    make gpu-check")
     return 0
 

@@ -5,8 +5,8 @@ host syncs, and the numbers, each section time-boxed; a report however far it go
     python3 benchmarks/gpu_check.py --device cpu --quick  # the dry run `make test` runs (tiny, interpreted)
 
 Writes ``gpu-report.md`` and ``gpu-report.json`` to ``$OUT`` when set (the device tool brings it back), else
-``--out`` (default docs/gpu/). Exit status 0 when no section failed (skipped and partial sections do not
-fail the run). Sections (``--sections`` picks some):
+``--out`` (default docs/gpu/ on a GPU, the scratch folder in a dry run). Exit status 0 when no section
+failed (skipped and partial sections do not fail the run). Sections (``--sections`` picks some):
 
 - environment: GPU, driver, CUDA, torch, triton, transformers, the measured copy bandwidth;
 - tree_attention: the Triton kernel within dtype tolerance of its torch reference;
@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present, else cpu)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few items (the CPU dry run)")
     ap.add_argument(
-        "--out", default=str(ROOT / "docs" / "gpu"), help="report folder when $OUT is unset (default: %(default)s)"
+        "--out",
+        default=None,
+        help="report folder when $OUT is unset (default: docs/gpu/ on a GPU; a dry run's goes to its --work folder)",
     )
     ap.add_argument("--budget", type=float, default=380.0, help="seconds for the whole run (default: %(default)s)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset (default: all)")
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     ctx = CheckContext(device, args.quick, work, find_tokenizer(ROOT, args.tokenizer), ROOT)
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(args.out)
+    default_out = ROOT / "docs" / "gpu" if device.type == "cuda" else work  # docs/gpu/ holds GPU reports only
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(args.out or default_out)
     try:
         head = header(ctx)
     except Exception as exc:  # a report however far the run gets: the header says what failed
