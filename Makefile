@@ -41,15 +41,11 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# On a GPU machine (docs/GPU.md): its own python3 and torch, not the CPU venv; the wheels `make gpu-bundle`
-# brought into .whl/ are installed beside the checkout (no network there). Report: $$OUT or docs/gpu/.
+# On a GPU machine (docs/GPU.md): its own python3 and torch, not the CPU venv; the script unpacks the wheels
+# `make gpu-bundle` brought into .whl/ beside the checkout (no network there). Report: $$OUT or docs/gpu/.
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
 gpu-check:
-	@if ls .whl/*.whl >/dev/null 2>&1; then \
-		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target .whl/site .whl/*.whl; fi
-	@if ls .whl/fallback/*.whl >/dev/null 2>&1; then \
-		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target .whl/fallback-site .whl/fallback/*.whl; fi
 	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Here, before a GPU run: the wheels the GPU image lacks and the tokenizer files into .whl/ (ignored).

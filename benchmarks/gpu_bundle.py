@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / ".whl"
 CARRY_LIMIT = 64 * 2**20
+GPU_PYTHON = "3.12"  # the GPU machine's (gpu_check.py's BUNDLE_PYTHON)
 GPU_IMAGE = (
     "torch", "triton", "transformers", "accelerate", "grpcio", "protobuf", "prometheus-client", "tokenizers",
     "safetensors", "httpx", "numpy",
@@ -64,7 +65,7 @@ def requirements_closure(roots: tuple[str, ...]) -> set[str]:
     from this venv's metadata; a requirement not installed here ends the walk at its name."""
     from packaging.requirements import Requirement
 
-    target = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+    target = {"python_version": GPU_PYTHON, "python_full_version": GPU_PYTHON + ".0", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
               "extra": ""}  # fmt: skip
     seen: set[str] = set()
@@ -98,7 +99,7 @@ def download(names: list[str], dest: Path) -> None:
     specs = [f"{n}=={md.version(n)}" for n in names]
     plats = [x for p in PLATFORMS for x in ("--platform", p)]
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-           "3.12", "--implementation", "cp", *plats, "-d", str(dest), *specs]  # fmt: skip
+           GPU_PYTHON, "--implementation", "cp", *plats, "-d", str(dest), *specs]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"gpu-bundle: pip download failed:\n{done.stdout}{done.stderr}")

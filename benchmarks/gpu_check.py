@@ -20,7 +20,7 @@ failed (skipped and partial sections do not fail the run). Sections (``--section
 - gpu_tests: the test suite's kernel tests that run on a GPU host (pytest, from the bundle).
 
 Runs without installing SpecMesh: the checkout's packages are put on the path (``kernels/`` and
-``router/`` under their installed names), and ``.whl/site`` too (what ``make gpu-bundle`` brought).
+``router/`` under their installed names), and ``.whl/site`` too (``make gpu-bundle``'s wheels, unzipped).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BUNDLE_PYTHON = (3, 12)  # the GPU machine's: benchmarks/gpu_bundle.py downloads wheels for it
 SECTIONS = {  # name → (module, function, budget seconds on a GPU), in order of priority; --budget caps them all
     "environment": ("gpu_kit.environment", "environment_section", 15),
     "tree_attention": ("gpu_kit.kernel_checks", "tree_attention_section", 45),
@@ -60,14 +61,34 @@ def transformers_recent(root: Path) -> bool:
     return floor is None or as_tuple(have) >= as_tuple(floor.group(1))
 
 
+def unpack_bundle(root: Path) -> None:
+    """Unzip the bundle's wheels (``make gpu-bundle``) into ``.whl/site`` and ``.whl/fallback-site``: a
+    wheel is a zip of an importable tree, so no pip (nor network) is needed on the GPU machine."""
+    import zipfile
+
+    if sys.version_info[:2] != BUNDLE_PYTHON:  # cp312 wheels: this python could not import them
+        return
+    for wheels, site in (("*.whl", "site"), ("fallback/*.whl", "fallback-site")):
+        found = sorted((root / ".whl").glob(wheels))
+        stamp = root / ".whl" / site / ".unpacked"
+        names = "\n".join(w.name for w in found)
+        if not found or (stamp.is_file() and stamp.read_text() == names):
+            continue
+        for w in found:
+            with zipfile.ZipFile(w) as z:
+                z.extractall(root / ".whl" / site)
+        stamp.write_text(names)
+
+
 def checkout_on_path(root: Path, work: Path) -> None:
     """Make the checkout importable as installed (for this process and the services it starts): the
     bundle's site folder, then links ``specmesh_kernels`` → kernels/ and ``specmesh_router`` → router/."""
     import importlib.util
 
-    paths = [str(root / ".whl" / "site")] if (root / ".whl" / "site").is_dir() else []
+    bundled = sys.version_info[:2] == BUNDLE_PYTHON and (root / ".whl" / "site").is_dir()
+    paths = [str(root / ".whl" / "site")] if bundled else []
     fallback = root / ".whl" / "fallback-site"
-    if fallback.is_dir() and not transformers_recent(root):
+    if bundled and fallback.is_dir() and not transformers_recent(root):
         paths.append(str(fallback))
     if importlib.util.find_spec("specmesh_kernels") is None or importlib.util.find_spec("specmesh") is None:
         links = work / "path"
@@ -112,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         # Kernels on CPU tensors need Triton's interpreter, chosen before triton is first imported
         # (the verifier processes this run starts inherit it).
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    unpack_bundle(ROOT)
     checkout_on_path(ROOT, work)
 
     import torch

@@ -86,3 +86,25 @@ def test_the_bundle_knows_what_the_gpu_image_brings():
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_the_bundle_is_unzipped_once_and_only_for_the_python_it_was_made_for(tmp_path, monkeypatch):
+    import zipfile
+
+    import gpu_check
+
+    (tmp_path / ".whl" / "fallback").mkdir(parents=True)
+    with zipfile.ZipFile(tmp_path / ".whl" / "demo-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("demo/__init__.py", "VALUE = 1\n")
+    with zipfile.ZipFile(tmp_path / ".whl" / "fallback" / "old-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("old/__init__.py", "")
+    monkeypatch.setattr(gpu_check, "BUNDLE_PYTHON", (0, 0))
+    gpu_check.unpack_bundle(tmp_path)
+    assert not (tmp_path / ".whl" / "site").exists()  # cp312 wheels are not for this python
+    monkeypatch.setattr(gpu_check, "BUNDLE_PYTHON", sys.version_info[:2])
+    gpu_check.unpack_bundle(tmp_path)
+    assert (tmp_path / ".whl" / "site" / "demo" / "__init__.py").read_text() == "VALUE = 1\n"
+    assert (tmp_path / ".whl" / "fallback-site" / "old" / "__init__.py").is_file()
+    (tmp_path / ".whl" / "site" / "demo" / "__init__.py").write_text("VALUE = 2\n")
+    gpu_check.unpack_bundle(tmp_path)  # the same wheels: not unpacked again
+    assert (tmp_path / ".whl" / "site" / "demo" / "__init__.py").read_text() == "VALUE = 2\n"
