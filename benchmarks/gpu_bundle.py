@@ -48,7 +48,6 @@ ENTRY_MODULES = (
 # Imported here but optional where they are absent (transformers probes for them), or not used at run time.
 NOT_NEEDED = {"pillow", "grpcio-tools", "truststore", "setuptools", "specmesh", "httpx2", "httpcore2"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def canonical(name: str) -> str:
@@ -137,13 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(BUNDLE / built, ignore_errors=True)
     download(wanted, BUNDLE)
 
+    from transformers import AutoTokenizer
+
     from specmesh.server.model_loading import resolve_model_path
 
-    tok_src, tok_dst = resolve_model_path(), BUNDLE / "tokenizer"
-    tok_dst.mkdir(exist_ok=True)
-    for f in TOKENIZER_FILES:
-        if (tok_src / f).is_file():
-            shutil.copy(tok_src / f, tok_dst / f)
+    shutil.rmtree(BUNDLE / "tokenizer", ignore_errors=True)
+    AutoTokenizer.from_pretrained(resolve_model_path()).save_pretrained(BUNDLE / "tokenizer")
 
     tree = tree_bytes()
     shutil.rmtree(BUNDLE / "fallback", ignore_errors=True)

@@ -486,13 +486,14 @@ def tree_meta_from_trees(
     """
     if width > MAX_TREE_ROWS:
         raise ValueError(f"{width} rows: tree attention takes at most {MAX_TREE_ROWS}")
-    bits = torch.zeros(len(parents), width, dtype=torch.int64)
-    row_prefix = torch.ones(len(parents), width, dtype=torch.int32)  # padding rows: key 0 only
-    for i, (tree, length) in enumerate(zip(parents, lengths, strict=True)):
-        bits[i, : len(tree) + 1] = torch.tensor(ancestor_bits(tree), dtype=torch.int64)
-        row_prefix[i, : len(tree) + 1] = length
-    start = torch.tensor(lengths, dtype=torch.int32)
-    return TreeMeta(start.to(device), row_prefix.to(device), bits.to(device))
+    pad = [width - len(tree) - 1 for tree in parents]  # padding rows: no tree bit, key 0 only
+    bits = [ancestor_bits(tree) + [0] * n for tree, n in zip(parents, pad, strict=True)]
+    row_prefix = [[length] * (width - n) + [1] * n for length, n in zip(lengths, pad, strict=True)]
+    return TreeMeta(
+        torch.tensor(lengths, dtype=torch.int32, device=device),
+        torch.tensor(row_prefix, dtype=torch.int32, device=device),
+        torch.tensor(bits, dtype=torch.int64, device=device),
+    )
 
 
 def tree_meta_from_mask(mask: torch.Tensor, write_pos: torch.Tensor) -> TreeMeta | None:

@@ -296,8 +296,7 @@ class TreeSearch:
         # The one host copy of the trees: every part as float64 (ids and indices < 2**53 stay exact).
         flat = torch.cat([x.double().reshape(-1) for x in parts]).cpu()
         host = [x.view(y.shape) for x, y in zip(flat.split([x.numel() for x in parts]), parts, strict=True)]
-        tok_h, parent_h, keep_h, order_h = (x.long().tolist() for x in host[:4])
-        keep_h = [[bool(k) for k in row] for row in keep_h]
+        tok_h, parent_h, keep_h, order_h = (x.long().tolist() for x in host[:4])  # keep_h: 0/1
         prob_h = host[4].exp().tolist()
         self.extra_host = host[5].long().tolist() if extra is not None else None
         if self.any_sampled:

@@ -37,7 +37,7 @@ from specmesh.server.torch_thread import ThreadLoop, TorchThread
 from specmesh.v1 import proposer_pb2
 from specmesh_router.cost_model import LiveStepCost
 from verifier_svc import admission
-from verifier_svc.batch_accept import KERNEL_MAX_NODES, accept_batch, sample_tokens
+from verifier_svc.batch_accept import accept_batch, sample_tokens
 from verifier_svc.detokenizer import StopStringFilter, detokenizer_for
 from verifier_svc.events import EngineFull, EngineStats, EngineStopped, ErrorEvent, Event, NeverFits
 from verifier_svc.logprobs import TokenLogprob, step_logprobs
@@ -380,10 +380,11 @@ class Engine:
         packing = Packing(*real, len(seqs), width) if packed else None
         computed = sum(counts) if packing is not None else len(seqs) * width  # tokens the forward computes
         meta = None
-        if self.runner.tree_kernel and width <= KERNEL_MAX_NODES + 1:  # the kernel's mask, from the trees: no sync
-            from specmesh_kernels.tree_attention import tree_meta_from_trees
+        if self.runner.tree_kernel:  # the kernel's form of the mask, from the trees: no device read
+            from specmesh_kernels.tree_attention import MAX_TREE_ROWS, tree_meta_from_trees
 
-            meta = tree_meta_from_trees([t.parents for t in trees], [s.length for s in seqs], width, dev)
+            if width <= MAX_TREE_ROWS:
+                meta = tree_meta_from_trees([t.parents for t in trees], [s.length for s in seqs], width, dev)
         t0 = time.perf_counter()
         rows = slice(seqs[0].slot, seqs[-1].slot + 1)
         hidden = self.runner.forward(

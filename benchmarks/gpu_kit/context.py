@@ -8,7 +8,6 @@ so the real tokenizer still fits it.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,6 @@ LLAMA3_8B = dict(
 )  # fmt: skip
 TINY = SMOLLM2_135M | dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, initializer_range=0.2)  # fmt: skip
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "chat_template.jinja", "generation_config.json",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,9 +85,9 @@ def model_folder(ctx: CheckContext, shape: dict[str, Any], dtype: torch.dtype, n
     model.save_pretrained(path)
     del model
     if ctx.tokenizer is not None:
-        for f in TOKENIZER_FILES:
-            if (ctx.tokenizer / f).is_file():
-                shutil.copy(ctx.tokenizer / f, path / f)
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(ctx.tokenizer).save_pretrained(path)
     return path
 
 

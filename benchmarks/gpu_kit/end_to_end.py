@@ -219,16 +219,14 @@ def end_to_end_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
                         for concurrent in (1, 8):
                             if deadline.spent():
                                 break
-                            groups = [batch[:1], batch[1:2]] if concurrent == 1 else [batch]
+                            groups = [range(0, 1), range(1, 2)] if concurrent == 1 else [range(len(batch))]
                             wait_s = deadline.left() + 30
                             verdicts, acc = [], []
                             for group in groups:
-                                for p, (got, mal) in zip(
-                                    group,
-                                    run_requests(verifier.address, proposer, group, n_tokens, wait_s),
-                                    strict=True,
-                                ):
-                                    verdicts.append(judge(ref, p, wants[batch.index(p)], got))
+                                prompts_i = [batch[i] for i in group]
+                                outs = run_requests(verifier.address, proposer, prompts_i, n_tokens, wait_s)
+                                for i, (got, mal) in zip(group, outs, strict=True):
+                                    verdicts.append(judge(ref, batch[i], wants[i], got))
                                     acc.append(mal)
                             counts = [verdicts.count(v) for v in ("exact", "near-tie", "mismatch")]
                             t.rows.append([

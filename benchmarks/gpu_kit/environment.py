@@ -35,7 +35,7 @@ def driver_version() -> str:
 
 
 def header(ctx: CheckContext) -> dict[str, Any]:
-    from gpu_kit.numbers import attention_bench
+    from gpu_kit.numbers import copy_bandwidth
 
     if ctx.cuda:
         props = torch.cuda.get_device_properties(ctx.device)
@@ -45,7 +45,7 @@ def header(ctx: CheckContext) -> dict[str, Any]:
 
         device = f"CPU: {cpu_name()}"
     try:  # on CUDA this is Triton's first launch: it builds its driver stub with the C compiler
-        bw = attention_bench().copy_bandwidth((1 << 30) if ctx.cuda else (1 << 26), ctx.device)
+        bw = copy_bandwidth(ctx.device)
         bandwidth = f"{bw / 1e9:.0f} GB/s (device-to-device copy, read + write)"
     except Exception as exc:  # the report must still be written: the environment section says why
         bandwidth = f"not measured: {type(exc).__name__}: {str(exc)[:200]}"

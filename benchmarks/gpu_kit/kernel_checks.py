@@ -105,9 +105,9 @@ def random_trees(rng: random.Random, n_req: int, max_nodes: int, vocab: int, sto
 
 
 def acceptance_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
-    """The kernel path the verifier takes (``accept_on_device``) against the host walk, request for request."""
-    from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
-    from verifier_svc.batch_accept import accept_on_device, target_probs
+    """The verifier's acceptance with the kernel (``--device-accept on``) against its host walk (``off``),
+    request for request."""
+    from verifier_svc.batch_accept import accept_batch
     from verifier_svc.requests import GenerationRequest, SpecRequest
 
     vocab, n_req, max_nodes, rounds = (64, 6, 8, 3) if ctx.quick else (49152, 64, 63, 10)
@@ -137,20 +137,8 @@ def acceptance_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
                     p = tr.parents[j]
                     tr.tokens[j] = argmax[start + p + 1]
             start += c
-        got = accept_on_device(reqs, ctx_lens, trees, logits)
-        want = []
-        start = 0
-        for i, (tr, c) in enumerate(zip(trees, counts, strict=True)):
-            rows = logits[start : start + c]
-            if reqs[i].temperature == 0:
-                want.append(greedy_accept(tr, rows.argmax(-1).tolist()))
-            else:
-                depth, salts = walk_shape(tr)
-                u = acceptance_uniforms(
-                    torch.tensor([reqs[i].seed]), torch.tensor([ctx_lens[i]]), depth, salts
-                ).numpy()[0]
-                want.append(sample_accept(tr, target_probs(rows, [reqs[i]], [c]).cpu(), u))
-            start += c
+        got = accept_batch(reqs, ctx_lens, trees, logits, counts, device_accept=True)
+        want = accept_batch(reqs, ctx_lens, trees, logits, counts, device_accept=False)
         same = sum(g == w for g, w in zip(got, want, strict=True))
         mismatches += n_req - same
         greedy = sum(q.temperature == 0 for q in reqs)

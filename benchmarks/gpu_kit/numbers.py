@@ -8,6 +8,7 @@ cost(b, w) where a plain step emits one for cost(b, 1), so ceiling(b) = max_w w 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import statistics
 import time
@@ -22,6 +23,7 @@ from gpu_kit.report import Deadline, Section
 WIDTHS = (1, 2, 3, 5, 9, 17, 33, 64)  # tokens per row: the pending token + 0, 1, 2, 4, 8, 16, 32, 63 nodes
 
 
+@functools.cache
 def attention_bench() -> Any:
     """benchmarks/kernels.py (the attention micro-benchmark), loaded by path: ``kernels`` names another package."""
     path = Path(__file__).resolve().parents[1] / "kernels.py"
@@ -29,6 +31,12 @@ def attention_bench() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@functools.cache
+def copy_bandwidth(device: torch.device) -> float:
+    """The device's measured copy bandwidth, bytes/s (1 GiB on a GPU, 64 MiB on a CPU), measured once."""
+    return attention_bench().copy_bandwidth((1 << 30) if device.type == "cuda" else (1 << 26), device)
 
 
 def timed_ms(ctx: CheckContext, fn: Callable[[], Any], reps: int = 5) -> float:
@@ -78,7 +86,7 @@ def attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> No
     )  # batches, nodes (63 = the kernel's most), contexts
     batches, trees, contexts = grid
     trees = tuple(min(n, 63) for n in trees)
-    copy_bw = bench.copy_bandwidth(1 << 30 if ctx.cuda else 1 << 24, ctx.device)
+    copy_bw = copy_bandwidth(ctx.device)
     elem = torch.finfo(dtype).bits // 8
     t = sec.table(
         f"tree attention, {heads[0]} q / {heads[1]} kv heads, dim {heads[2]}, {str(dtype).removeprefix('torch.')}",
