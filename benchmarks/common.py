@@ -3,9 +3,9 @@ vendored workload."""
 
 from __future__ import annotations
 
-from specmesh.bench.cli import cpu_name
-from specmesh.bench.workload import DEFAULT_WORKLOAD as WORKLOAD
-from specmesh.bench.workload import read_rows
+from specmesh_bench.cli import cpu_name
+from specmesh_bench.workload import DEFAULT_WORKLOAD as WORKLOAD
+from specmesh_bench.workload import read_rows
 
 __all__ = ["WORKLOAD", "cpu_name", "workload_rows"]
 

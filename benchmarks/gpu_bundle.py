@@ -41,8 +41,8 @@ OPTIONAL = ("numba", "llvmlite")  # the suffix proposer; llvmlite alone is ~40 M
 FALLBACK = ("transformers", "huggingface-hub")
 # Modules the check's process and its services import (the services' own imports come along).
 ENTRY_MODULES = (
-    "verifier_svc.server", "verifier_svc.engine", "proposer_svc.suffix_server", "proposer_svc.draft",
-    "specmesh.bench.oracle", "specmesh.cli", "specmesh.health", "specmesh.deploy", "specmesh.server.model_loading",
+    "verifier_svc.server", "verifier_svc.engine", "proposer_svc.suffix.server", "proposer_svc.draft.proposer",
+    "proposer_svc.oracle", "specmesh.cli", "specmesh.health", "specmesh.deploy", "specmesh_server.model_loading",
     "gpu_kit.end_to_end", "gpu_kit.numbers", "gpu_kit.engine_profile", "gpu_kit.kernel_checks", "gpu_kit.environment",
 )  # fmt: skip
 # Imported here but optional where they are absent (transformers probes for them), or not used at run time.
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_loading import resolve_model_path
+    from specmesh_server.model_loading import resolve_model_path
 
     shutil.rmtree(BUNDLE / "tokenizer", ignore_errors=True)
     AutoTokenizer.from_pretrained(resolve_model_path()).save_pretrained(BUNDLE / "tokenizer")

@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from proposer_svc.draft import DraftConfig, SearchRow
-from proposer_svc.head import DraftRow, draft_trees, load_head
-from specmesh.server.hidden import encode
-from specmesh.server.model_loading import load_model, tokenizer_hash
+from proposer_svc.draft.proposer import DraftConfig, SearchRow
+from proposer_svc.head.proposer import DraftRow, draft_trees, load_head
 from specmesh.v1 import proposer_pb2
+from specmesh_server.hidden import encode
+from specmesh_server.model_loading import load_model, tokenizer_hash
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common import workload_rows
 
-from specmesh.server.ngram import NgramConfig, NgramIndex
+from specmesh_server.ngram import NgramConfig, NgramIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_loading import resolve_model_path
+    from specmesh_server.model_loading import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path())
     rows = workload_rows()

@@ -18,10 +18,10 @@ import time
 import torch
 from common import cpu_name
 
-from specmesh.server.attention import Packing
-from specmesh.server.model_loading import load_model
-from specmesh.server.model_runner import ModelRunner
-from specmesh.server.tree import TokenTree
+from specmesh_server.attention import Packing
+from specmesh_server.model_loading import load_model
+from specmesh_server.model_runner import ModelRunner
+from specmesh_server.tree import TokenTree
 from verifier_svc.step_inputs import decode_inputs, prefill_inputs, unpadded
 
 SHAPES = {  # name → nodes per row

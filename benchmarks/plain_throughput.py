@@ -48,7 +48,7 @@ def main() -> None:
 
     from specmesh import Client, SamplingParams
     from specmesh.deploy import DeploymentConfig, LocalDeployment
-    from specmesh.server.model_loading import load_model
+    from specmesh_server.model_loading import load_model
 
     torch.set_num_threads(a.threads)
     lm = load_model()

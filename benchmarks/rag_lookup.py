@@ -19,13 +19,13 @@ import time
 import numpy as np
 from common import cpu_name, workload_rows
 
-from proposer_svc.rag import CorpusIndex, RagConfig, concat_documents, propose_tree
+from proposer_svc.rag.lookup import CorpusIndex, RagConfig, concat_documents, propose_tree
 
 
 def real_documents() -> list[np.ndarray]:
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_loading import resolve_model_path
+    from specmesh_server.model_loading import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path())
     texts = [t for r in workload_rows() for t in [*r["turns"], r.get("reference") or ""] if t]

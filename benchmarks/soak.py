@@ -85,7 +85,7 @@ class PromptBook:
     def __init__(self, model: str | None, long_min: int, long_max: int, seed: int) -> None:
         from transformers import AutoTokenizer
 
-        from specmesh.server.model_loading import resolve_model_path
+        from specmesh_server.model_loading import resolve_model_path
 
         self.model_path = str(resolve_model_path(model))
         self.tok = AutoTokenizer.from_pretrained(self.model_path)

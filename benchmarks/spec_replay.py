@@ -51,14 +51,14 @@ from typing import Protocol
 
 import numpy as np
 
-from proposer_svc.suffix import Proposal, SuffixCache, SuffixConfig, SuffixRequest, learn_outcomes, union
-from specmesh.bench.report import geo_mean_of_medians
-from specmesh.bench.workload import BenchPrompt, ChatEncoder, load_prompts, second_turns
-from specmesh.server.ngram import NgramConfig, NgramIndex
-from specmesh.server.tree import TokenTree, depths, follow, truncate
+from proposer_svc.suffix.core import Proposal, SuffixCache, SuffixConfig, SuffixRequest, learn_outcomes, union
+from specmesh_bench.report import geo_mean_of_medians
+from specmesh_bench.workload import BenchPrompt, ChatEncoder, load_prompts, second_turns
 from specmesh_router.cost_model import StepCost, choose_widths
 from specmesh_router.estimate import RequestEstimate, posterior
 from specmesh_router.stats import AcceptanceStats
+from specmesh_server.ngram import NgramConfig, NgramIndex
+from specmesh_server.tree import TokenTree, depths, follow, truncate
 from verifier_svc.proposer_client import ProposerLimits
 from verifier_svc.speculation import Shadow, SpecState, ended_by_proposer
 
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_loading import resolve_model_path
+    from specmesh_server.model_loading import resolve_model_path
 
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(resolve_model_path()))
 

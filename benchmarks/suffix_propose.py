@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from common import cpu_name, workload_rows
 
-from proposer_svc.suffix import SuffixCache, SuffixConfig, SuffixRequest
+from proposer_svc.suffix.core import SuffixCache, SuffixConfig, SuffixRequest
 
 
 def _texts() -> tuple[list[str], list[str]]:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_loading import resolve_model_path
+    from specmesh_server.model_loading import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path())
     cached_texts, held_out = _texts()

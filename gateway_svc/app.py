@@ -42,7 +42,7 @@ from gateway_svc.responses import (
 from specmesh.client import AsyncClient
 from specmesh.credentials import TlsOptions
 from specmesh.params import Chunk, Prompt, SamplingParams, SpecDecodeParams, Summary, TokenLogprob
-from specmesh.server.metrics import REGISTRY
+from specmesh_server.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 

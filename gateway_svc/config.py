@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from specmesh.server.auth import token_file
-from specmesh.server.flags import ServiceFlags
+from specmesh_server.auth import token_file
+from specmesh_server.flags import ServiceFlags
 
 
 @dataclass(frozen=True)

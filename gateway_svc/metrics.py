@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specmesh.server.metrics import ITL_BUCKETS, REGISTRY, TTFT_BUCKETS
+from specmesh_server.metrics import ITL_BUCKETS, REGISTRY, TTFT_BUCKETS
 
 # TTFT and inter-token buckets are the verifier's (ms on a GPU to s on a CPU): the tiers' percentiles compare.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)

@@ -3,7 +3,7 @@
 One launch covers every request of a verification step. Queries are ragged: request ``b`` brings
 ``q_len[b]`` rows (its pending token and its tree nodes), flattened without padding and located by
 ``cu_seqlens`` (``[0, n_0, n_0 + n_1, …]``). Keys and values are read in place from the verifier's
-cache layout ``[slots, kv_heads, seq, head_dim]`` (``specmesh.server.kv_cache.SlotKVCache``): request
+cache layout ``[slots, kv_heads, seq, head_dim]`` (``specmesh_server.kv_cache.SlotKVCache``): request
 ``b`` lives in slot ``slots[b]``, its cached prefix is positions ``0 .. prefix_lens[b]-1`` and its new
 rows were written at ``prefix_lens[b] + j``. Query ``i`` of request ``b`` sees the whole prefix and
 the new keys ``j`` whose bit is set in ``tree_bits[cu_seqlens[b] + i]`` (an int64 ancestor bitmask,
@@ -36,7 +36,7 @@ def ancestor_bits(parents: list[int]) -> list[int]:
     """Ancestor bitmask of each row of ``[pending token, node 0, …]`` as signed int64 values.
 
     Bit ``j`` of row ``i`` is set when row ``i`` may attend to new row ``j``: the pending token
-    (row 0), its ancestors and itself. ``parents`` as in ``specmesh.server.tree.TokenTree`` (-1 = root).
+    (row 0), its ancestors and itself. ``parents`` as in ``specmesh_server.tree.TokenTree`` (-1 = root).
 
     >>> ancestor_bits([-1, 0, -1])   # rows: pending, a, a→b, c
     [1, 3, 7, 9]

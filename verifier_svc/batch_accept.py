@@ -14,8 +14,8 @@ import itertools
 
 import torch
 
-from specmesh.server.sampling import filter_logits, repeat_rows, sample_next
-from specmesh.server.tree import TokenTree
+from specmesh_server.sampling import filter_logits, repeat_rows, sample_next
+from specmesh_server.tree import TokenTree
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.requests import GenerationRequest
 

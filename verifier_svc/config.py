@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specmesh.server.auth import token_file
-from specmesh.server.flags import ServiceFlags, boolean, byte_size
-from specmesh.server.packed_linear import add_linears_flag
-from specmesh.server.security import ServerSecurity, add_security_flags, security_config
+from specmesh_server.auth import token_file
+from specmesh_server.flags import ServiceFlags, boolean, byte_size
+from specmesh_server.packed_linear import add_linears_flag
+from specmesh_server.security import ServerSecurity, add_security_flags, security_config
 from verifier_svc.batch_accept import KERNEL_MAX_NODES
 from verifier_svc.engine import EngineConfig
 from verifier_svc.kernel_paths import ATTENTION, DEVICE_ACCEPT

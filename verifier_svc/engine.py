@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specmesh.server import hidden as hidden_states
-from specmesh.server.attention import Packing
-from specmesh.server.model_runner import ModelRunner
-from specmesh.server.torch_thread import ThreadLoop, TorchThread
 from specmesh.v1 import proposer_pb2
 from specmesh_router.cost_model import LiveStepCost
+from specmesh_server import hidden as hidden_states
+from specmesh_server.attention import Packing
+from specmesh_server.model_runner import ModelRunner
+from specmesh_server.torch_thread import ThreadLoop, TorchThread
 from verifier_svc import admission
 from verifier_svc.batch_accept import accept_batch, sample_tokens
 from verifier_svc.detokenizer import StopStringFilter, detokenizer_for
@@ -53,9 +53,9 @@ from verifier_svc.speculation import (
 from verifier_svc.step_inputs import decode_inputs, prefill_inputs, unpadded
 
 if TYPE_CHECKING:
-    from specmesh.server.metrics import VerifierMetrics
     from specmesh_router.estimate import RequestEstimate
     from specmesh_router.selection import Router
+    from specmesh_server.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
 # (request, its whole output, the proposers it had streams with): called once per finished request
@@ -97,7 +97,7 @@ class Engine:
         ``trees_arrived``: the condition proposer sessions notify when a tree lands.
         ``learn``: told every finished request's output (``learning.OutputLearning.finished``).
         ``thread``: where the engine loop runs: the thread that loaded ``runner``'s model, so the
-        process has one OpenMP team (``specmesh.server.torch_thread``); default a new one."""
+        process has one OpenMP team (``specmesh_server.torch_thread``); default a new one."""
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.metrics, self.learn = metrics, learn
         self.eos_token_ids = eos_token_ids

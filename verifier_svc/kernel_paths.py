@@ -61,7 +61,7 @@ def check_kernel_device(attention: str, device_accept: bool | None, device: torc
 def check_kernel_model(attention: str, model_config: object) -> None:
     """Raise :class:`KernelUnavailable` where ``--attention triton`` asks for the tree-attention
     kernel on a model it does not serve (sliding windows, soft-capping, attention sinks)."""
-    from specmesh.server import attention as attention_fn
+    from specmesh_server import attention as attention_fn
 
     if attention == "triton" and not attention_fn.supports(model_config):
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config

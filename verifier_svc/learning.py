@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from specmesh.server.log_limit import RateLimitedLog
-from specmesh.server.metrics import VerifierMetrics
 from specmesh.v1 import proposer_pb2
+from specmesh_server.log_limit import RateLimitedLog
+from specmesh_server.metrics import VerifierMetrics
 from verifier_svc.requests import GenerationRequest
 from verifier_svc.sessions import ProposerTiers
 

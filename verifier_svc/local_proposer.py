@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
-from specmesh.server.ngram import NgramConfig, NgramIndex
-from specmesh.server.tree import TokenTree
+from specmesh_server.ngram import NgramConfig, NgramIndex
+from specmesh_server.tree import TokenTree
 from verifier_svc.proposer_client import ProposerLimits, Stored, serve_tree
 
 INPROCESS_PREFIX = "inprocess:"

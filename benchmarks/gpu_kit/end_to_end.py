@@ -74,7 +74,7 @@ def prompts(ctx: CheckContext, n: int) -> list[list[int]]:
         return [torch.randint(3, 49152, (limit,), generator=g).tolist() for _ in range(n)]
     from transformers import AutoTokenizer
 
-    from specmesh.bench.workload import DEFAULT_WORKLOAD, read_rows
+    from specmesh_bench.workload import DEFAULT_WORKLOAD, read_rows
 
     tok = AutoTokenizer.from_pretrained(ctx.tokenizer)
     by_cat: dict[str, list[str]] = {}
@@ -167,7 +167,7 @@ def run_requests(
 
 
 def end_to_end_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
-    from specmesh.bench.oracle import OracleServer
+    from proposer_svc.oracle import OracleServer
 
     n_tokens = 8 if ctx.quick else 48
     batch = prompts(ctx, 8)

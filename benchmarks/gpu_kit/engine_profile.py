@@ -38,7 +38,7 @@ class SyntheticTrees:
         self.parents = [-1 if j % 4 == 0 else j - 1 for j in range(NODES)]
 
     def take(self, context_length: int, recent: list[int] | None = None):
-        from specmesh.server.tree import TokenTree
+        from specmesh_server.tree import TokenTree
 
         self.last_response = time.perf_counter()
         self.sent = TokenTree([self._rng.randrange(self._vocab) for _ in range(NODES)], list(self.parents))
@@ -73,7 +73,7 @@ def profiler(cuda: bool) -> Any:
 def decode_step_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_runner import ModelRunner
+    from specmesh_server.model_runner import ModelRunner
     from verifier_svc.engine import Engine, EngineConfig
     from verifier_svc.events import ErrorEvent, TokenEvent
     from verifier_svc.requests import GenerationRequest, SpecRequest
@@ -176,10 +176,10 @@ def report_profile(ctx: CheckContext, sec: Section, prof: Any, steps: int, wall:
 
 def draft_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
     """The draft proposer on the device: device→host copies per proposal (one: the finished trees)."""
-    from proposer_svc.draft import DraftConfig, Drafter, RequestState
+    from proposer_svc.draft.proposer import DraftConfig, Drafter, RequestState
 
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
-    from specmesh.server.model_runner import ModelRunner
+    from specmesh_server.model_runner import ModelRunner
 
     shape = ctx.target_shape
     model = random_model(shape, ctx.device, dtype, seed=1)

@@ -41,7 +41,7 @@ def header(ctx: CheckContext) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(ctx.device)
         device = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
     else:
-        from specmesh.bench.cli import cpu_name
+        from specmesh_bench.cli import cpu_name
 
         device = f"CPU: {cpu_name()}"
     try:  # on CUDA this is Triton's first launch: it builds its driver stub with the C compiler

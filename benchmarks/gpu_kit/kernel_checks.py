@@ -86,7 +86,7 @@ def tree_attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) 
 
 def random_trees(rng: random.Random, n_req: int, max_nodes: int, vocab: int, stochastic_share: float):
     """Random trees, a share of them carrying sparse proposal distributions (a stochastic proposer's)."""
-    from specmesh.server.tree import TokenTree
+    from specmesh_server.tree import TokenTree
 
     trees = []
     for _ in range(n_req):

@@ -131,7 +131,7 @@ def attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> No
 
 
 def cost_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
-    from specmesh.server.model_runner import ModelRunner, measure_step_cost
+    from specmesh_server.model_runner import ModelRunner, measure_step_cost
 
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     rows = (1, 8, 32) if ctx.cuda else (1, 2)
@@ -168,7 +168,7 @@ def cost_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
 def plain_vs_generate(ctx: CheckContext, sec: Section, name: str, model: Any, runner: Any, deadline: Deadline) -> None:
     """Per-token time of plain decoding through the runner (batch 1, the argmax fed back on the device) and
     of ``generate()``: (time for n tokens − time for 1) / (n − 1), so prefill is not counted."""
-    from specmesh.server.model_runner import causal_mask
+    from specmesh_server.model_runner import causal_mask
 
     if deadline.left() < (25 if model.config.hidden_size >= 4096 else 5):
         sec.notes.append(f"{name}: plain vs generate() skipped: budget spent")

@@ -55,7 +55,7 @@ COMMANDS = (
     ("rag", "ingest"),
 )
 # How many --grace periods a service's SIGTERM drain can take: one each. The verifier's wait for
-# running requests and the gRPC server's stop share one deadline (specmesh/server/serving.py); the gateway
+# running requests and the gRPC server's stop share one deadline (specmesh_server/serving.py); the gateway
 # lets in-flight responses finish within --grace.
 DRAIN_GRACE_PERIODS = {"verifier": 1, "ngram": 1, "suffix": 1, "draft": 1, "head": 1, "rag": 1, "gateway": 1}
 HTTP_SERVICES = ("gateway",)  # `specmesh serve` tiers that speak HTTP (probes httpGet/tcpSocket, not gRPC)
@@ -362,7 +362,7 @@ def test_every_library_variable_the_manifests_set_is_read_by_that_library():
 
 
 def test_servers_close_connections_so_clients_re_resolve_new_replicas():
-    from specmesh.server.serving import SERVER_OPTIONS
+    from specmesh_server.serving import SERVER_OPTIONS
 
     assert dict(SERVER_OPTIONS).get("grpc.max_connection_age_ms", 0) > 0
 
@@ -777,7 +777,7 @@ def test_redis_is_internal_and_password_protected_from_a_secret(kustomization):
 def exported_metric_names() -> set[str]:
     from prometheus_client import CollectorRegistry
 
-    from specmesh.server.metrics import ProposerMetrics, VerifierMetrics
+    from specmesh_server.metrics import ProposerMetrics, VerifierMetrics
 
     registry = CollectorRegistry()
     VerifierMetrics(registry)
@@ -1203,8 +1203,8 @@ def readme_commands() -> list[list[str]]:
 
 
 def test_the_readme_specmesh_commands_parse_with_the_real_cli():
-    from proposer_svc.head_train import parse_args as head_parse
-    from proposer_svc.rag_cli import build_parser as rag_parser
+    from proposer_svc.head.train import parse_args as head_parse
+    from proposer_svc.rag.cli import build_parser as rag_parser
     from specmesh.cli import build_parser
 
     commands = readme_commands()
@@ -1272,7 +1272,7 @@ def test_every_tier_reads_only_its_own_tokens_from_a_read_only_secret_mount(kust
 
 @pytest.mark.parametrize("kustomization", [*OVERLAYS, "overlays/cpu+head", "overlays/gpu+head"])
 def test_reflection_is_off_on_every_grpc_service_of_the_overlays(kustomization):
-    from specmesh.server.flags import boolean
+    from specmesh_server.flags import boolean
 
     servers = [(n, c) for n, _, c in specmesh_containers(kustomization) if command(c)[1:] and n in GRPC_SERVERS]
     assert {n for n, _ in servers} == set(present(kustomization, GRPC_SERVERS))

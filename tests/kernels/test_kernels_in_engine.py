@@ -13,8 +13,8 @@ import pytest
 import support
 import torch
 
-from specmesh.server.model_runner import ModelRunner
-from specmesh.server.tree import TokenTree
+from specmesh_server.model_runner import ModelRunner
+from specmesh_server.tree import TokenTree
 from verifier_svc.engine import Engine, EngineConfig
 from verifier_svc.events import ErrorEvent, FinishEvent, TokenEvent
 from verifier_svc.kernel_paths import check_kernel_device

@@ -9,9 +9,9 @@ import pytest
 import torch
 from support import first_token_tv
 
-from specmesh.server.sampling import filter_logits
-from specmesh.server.tree import TokenTree
 from specmesh_kernels.tree_accept import PackedTrees, tree_accept_kernel_launch, unpack_result
+from specmesh_server.sampling import filter_logits
+from specmesh_server.tree import TokenTree
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.batch_accept import accept_on_device
 from verifier_svc.requests import GenerationRequest, SpecRequest

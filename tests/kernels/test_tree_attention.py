@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specmesh.server.tree import verification_layout
 from specmesh_kernels.tree_attention import MAX_TREE_ROWS, ancestor_bits, tree_attention, tree_attention_reference
+from specmesh_server.tree import verification_layout
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(

@@ -10,9 +10,9 @@ import pytest
 import support
 import torch
 
-from specmesh.server.model_runner import ModelRunner, causal_mask
-from specmesh.server.tree import verification_layout
 from specmesh_kernels.tree_attention import tree_meta_from_mask
+from specmesh_server.model_runner import ModelRunner, causal_mask
+from specmesh_server.tree import verification_layout
 
 
 def tree_step(lengths: list[int], trees: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,8 +110,8 @@ def test_the_engines_tree_meta_built_from_trees_equals_the_one_read_from_its_mas
     derives from ``decode_inputs``' mask, for random ragged batches and for plain decode steps."""
     import random
 
-    from specmesh.server.tree import TokenTree
     from specmesh_kernels.tree_attention import tree_meta_from_trees
+    from specmesh_server.tree import TokenTree
     from verifier_svc.step_inputs import decode_inputs
 
     rng = random.Random(3)

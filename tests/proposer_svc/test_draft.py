@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from proposer_svc.draft import (
+from proposer_svc.draft.proposer import (
     DraftConfig,
     Drafter,
     RequestState,
@@ -13,9 +13,9 @@ from proposer_svc.draft import (
     proposal_distribution,
     sampling_template,
 )
-from specmesh.server.model_runner import ModelRunner, causal_mask
-from specmesh.server.sampling import filter_logits
-from specmesh.server.tree import TokenTree, depths, validate_tree
+from specmesh_server.model_runner import ModelRunner, causal_mask
+from specmesh_server.sampling import filter_logits
+from specmesh_server.tree import TokenTree, depths, validate_tree
 
 VOCAB = 96
 

@@ -23,11 +23,11 @@ from support import (
     workload_prompts,
 )
 
-from proposer_svc.distill import save_draft, truncate_layers
+from proposer_svc.draft.distill import save_draft, truncate_layers
 from specmesh import Client, SamplingParams, SpecDecodeParams
 from specmesh.deploy import free_port, wait_healthy
-from specmesh.server.model_loading import tokenizer_hash
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+from specmesh_server.model_loading import tokenizer_hash
 
 pytestmark = pytest.mark.slow
 SELF = SpecDecodeParams(proposer="draft", num_speculative_tokens=4, max_tree_nodes=8)
@@ -134,8 +134,8 @@ def test_draft_tree_acceptance_on_the_real_logits_emits_the_target_softmax_chi_s
     that accept drafts too often or forget the residual fail the same test on 2,000 seeds."""
     import torch
 
-    from proposer_svc.distill import truncate_layers
-    from proposer_svc.draft import (
+    from proposer_svc.draft.distill import truncate_layers
+    from proposer_svc.draft.proposer import (
         _DRAFT_SEED_MIX,
         DraftConfig,
         gumbel_order,
@@ -143,8 +143,8 @@ def test_draft_tree_acceptance_on_the_real_logits_emits_the_target_softmax_chi_s
         sampling_template,
         sibling_distribution,
     )
-    from specmesh.server.sampling import uniform
-    from specmesh.server.tree import TokenTree
+    from specmesh_server.sampling import uniform
+    from specmesh_server.tree import TokenTree
     from verifier_svc.acceptance import acceptance_uniforms, sample_accept, walk_shape
     from verifier_svc.batch_accept import accept_batch, target_probs
     from verifier_svc.requests import GenerationRequest, SpecRequest

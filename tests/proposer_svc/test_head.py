@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from proposer_svc.draft import DraftConfig, SearchRow, proposal_distribution
-from proposer_svc.head import DraftRow, Head, HeadArch, draft_trees, draft_vocabulary, target_to_draft
-from specmesh.server.tree import TokenTree, depths, validate_tree
+from proposer_svc.draft.proposer import DraftConfig, SearchRow, proposal_distribution
+from proposer_svc.head.proposer import DraftRow, Head, HeadArch, draft_trees, draft_vocabulary, target_to_draft
+from specmesh_server.tree import TokenTree, depths, validate_tree
 
 V, H = 50, 8
 CONFIG = DraftConfig(max_nodes=24, max_depth=5)  # the head server's defaults

@@ -35,7 +35,7 @@ from support import (
     stop_verifier,
 )
 
-from proposer_svc.stream import ProposeStream, StreamConfig
+from proposer_svc.core.stream import ProposeStream, StreamConfig
 from specmesh import Client, SamplingParams, SpecDecodeParams
 from specmesh.deploy import free_port, wait_healthy
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
@@ -234,7 +234,7 @@ class RecordingCore:
         return proposer_pb2.ProposeResponse(context_length=len(prompt), hidden_states=want)
 
     def take_states(self, states, tokens):
-        from specmesh.server.hidden import decode
+        from specmesh_server.hidden import decode
 
         self.pending = decode(states, tokens, states.hidden_size)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proposer_svc.head_train import parse_args, prompts
+from proposer_svc.head.train import parse_args, prompts
 
 
 class CharTokenizer:

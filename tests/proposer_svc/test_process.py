@@ -8,7 +8,9 @@ import dataclasses
 
 import pytest
 
-from proposer_svc import draft_server, rag_server, server
+from proposer_svc.draft import server as draft_server
+from proposer_svc.ngram import server
+from proposer_svc.rag import server as rag_server
 
 SERVICES = {"ngram": server, "draft": draft_server, "rag": rag_server}
 

@@ -4,7 +4,7 @@ continuations merged into a frequency-weighted trie, budget / depth / topologica
 import numpy as np
 import pytest
 
-from proposer_svc.rag import (
+from proposer_svc.rag.lookup import (
     SEP,
     CorpusIndex,
     RagConfig,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import tqdm
 
-from proposer_svc import rag_cli
-from proposer_svc.rag_cli import _with_upload_bar, ingest_requests
+from proposer_svc.rag import cli as rag_cli
+from proposer_svc.rag.cli import _with_upload_bar, ingest_requests
 
 
 def _requests(tmp_path: Path) -> list:

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proposer_svc import datastore
-from proposer_svc.datastore import (
+from proposer_svc.rag import datastore
+from proposer_svc.rag.datastore import (
     Datastore,
     InvalidCorpusName,
     InvalidDocument,
@@ -21,7 +21,7 @@ from proposer_svc.datastore import (
     decode_document,
     tokenize_documents,
 )
-from proposer_svc.rag import RagConfig, propose_tree
+from proposer_svc.rag.lookup import RagConfig, propose_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = RagConfig(min_match=2)
@@ -128,7 +128,7 @@ def test_a_tokenizer_that_raises_is_reported_with_the_document_name():
 def test_target_tokenizer_keeps_special_token_strings_as_text():
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_loading import resolve_model_path
+    from specmesh_server.model_loading import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path())
     [ids] = tokenize_documents(tok, [("chat.txt", "user says <|im_start|> here")])
@@ -159,7 +159,7 @@ KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
     import numpy as np
-    from proposer_svc import datastore
+    from proposer_svc.rag import datastore
     point = sys.argv[2]
     if point == "mid-write":
         real = datastore._save_array

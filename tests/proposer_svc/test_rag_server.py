@@ -58,7 +58,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_loading import resolve_model_path
+    from specmesh_server.model_loading import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path())
 
@@ -113,7 +113,7 @@ def _first_chain(tree: proposer_pb2.TokenTree) -> list[int]:
 
 
 def test_cli_lists_the_ingested_corpus_with_the_target_tokenizer(rag, tokenizer):
-    from specmesh.server.model_loading import tokenizer_hash
+    from specmesh_server.model_loading import tokenizer_hash
 
     out = cli("list", "--target", rag.address)
     assert out.returncode == 0, out.stderr
@@ -123,7 +123,7 @@ def test_cli_lists_the_ingested_corpus_with_the_target_tokenizer(rag, tokenizer)
 
 
 def test_propose_stream_proposes_the_corpus_continuation_and_follows_advances(rag, tokenizer):
-    from specmesh.server.model_loading import tokenizer_hash
+    from specmesh_server.model_loading import tokenizer_hash
 
     doc = tokenizer(DOC_A, add_special_tokens=False).input_ids
     prompt = tokenizer("Tell me: ", add_special_tokens=False).input_ids + doc[:12]
@@ -169,7 +169,7 @@ def test_bad_files_fail_the_ingest_naming_the_file_and_leave_the_corpus_intact(r
 
 
 def test_propose_streams_are_answered_while_an_ingest_reindexes(rag, tokenizer, tmp_path):
-    from proposer_svc.rag_cli import ingest_requests
+    from proposer_svc.rag.cli import ingest_requests
 
     address = rag.address
     files = []

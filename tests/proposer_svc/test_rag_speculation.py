@@ -12,7 +12,7 @@ import pytest
 from support import WORKLOAD, assert_greedy_equal, start_verifier, stop_verifier
 
 from specmesh import Client, SamplingParams, SpecDecodeParams
-from specmesh.bench.workload import rag_passages as passages
+from specmesh_bench.workload import rag_passages as passages
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from support import served_proposer as served
 
-from proposer_svc.stream import (
+from proposer_svc.core.stream import (
     OFFLOAD_TOKENS,
     Deliver,
     ProposeStream,
@@ -23,8 +23,8 @@ from proposer_svc.stream import (
     StreamRefused,
     inline,
 )
-from specmesh.server.metrics import ProposerMetrics
 from specmesh.v1 import proposer_pb2
+from specmesh_server.metrics import ProposerMetrics
 
 
 class LastToken:
@@ -282,7 +282,7 @@ class TakesStates:
         return proposer_pb2.ProposeResponse(context_length=self.context)
 
     def take_states(self, states, tokens):
-        from specmesh.server.hidden import decode
+        from specmesh_server.hidden import decode
 
         self.log.append(decode(states, tokens, 2).tolist())  # ValueError when the rows do not fit
 
@@ -297,7 +297,7 @@ class TakesStates:
 def test_hidden_states_reach_a_state_taking_core_and_ill_fitting_ones_are_refused_as_invalid_argument():
     import torch
 
-    from specmesh.server.hidden import encode
+    from specmesh_server.hidden import encode
 
     log: list = []
     servicer = ProposeStream(StreamConfig(proposer="test"), lambda start, deliver: TakesStates(log))

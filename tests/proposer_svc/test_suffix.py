@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from proposer_svc.suffix import (
+from proposer_svc.suffix.core import (
     MAX_VOCAB,
     SEP,
     Calibration,

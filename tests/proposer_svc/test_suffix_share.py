@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from support import start_redis, stop_redis
 
-from proposer_svc.suffix import MAX_VOCAB, SuffixCache, SuffixConfig, SuffixRequest
-from proposer_svc.suffix_share import OutputSharing, ShareConfig, decode, encode
+from proposer_svc.suffix.core import MAX_VOCAB, SuffixCache, SuffixConfig, SuffixRequest
+from proposer_svc.suffix.share import OutputSharing, ShareConfig, decode, encode
 from specmesh.deploy import free_port
 
 SHARED_REDIS = "redis://127.0.0.1:6379/0"

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specmesh.server.tree import TokenTree
 from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width
 from specmesh_router.estimate import Posterior, RequestEstimate, expected_accepted, levels_sample
 from specmesh_router.stats import AcceptanceStats, StatsKey
+from specmesh_server.tree import TokenTree
 from tests.router.test_selection import MODEL, feed, make_router
 from verifier_svc.events import EngineStats
 from verifier_svc.proposer_client import ProposerLimits

@@ -45,8 +45,8 @@ def test_serve_head_help_shows_its_flags_and_defaults(capsys):
 
 
 def test_head_is_a_service_and_a_tool(capsys):
-    assert cli.SERVICES["head"] == "proposer_svc.head_server"
-    assert cli.TOOLS["head"] == "proposer_svc.head_train"
+    assert cli.SERVICES["head"] == "proposer_svc.head.server"
+    assert cli.TOOLS["head"] == "proposer_svc.head.train"
     cli.main(["serve", "--help"])  # the service list, without exiting
     assert "head" in capsys.readouterr().out.split("{", 1)[1].split("}", 1)[0].split(",")
     out = run_help(capsys, ["head", "train", "--help"])
@@ -57,7 +57,7 @@ def test_head_is_a_service_and_a_tool(capsys):
 
 
 def test_up_head_starts_the_head_service_and_names_it_to_the_verifier(tmp_path):
-    from proposer_svc.head_server import parse_args as head_args
+    from proposer_svc.head.server import parse_args as head_args
     from verifier_svc.config import parse_args as verifier_args
 
     argv = ["up", "--head", "127.0.0.1:50065", "--head-dir", "heads/h", "--model", "m", "--run-dir", str(tmp_path)]
@@ -92,8 +92,8 @@ def test_up_starts_no_head_unless_asked(tmp_path):
 
 
 def test_bench_head_mode_starts_a_head_proposer_that_auto_may_pick(tmp_path):
-    from specmesh.bench.cli import local_deployment, parse_args
-    from specmesh.bench.runner import ALL_MODES, LEARNING_MODES, SERVICE_MODES
+    from specmesh_bench.cli import local_deployment, parse_args
+    from specmesh_bench.runner import ALL_MODES, LEARNING_MODES, SERVICE_MODES
 
     assert SERVICE_MODES["head"] == "head" and "head" in ALL_MODES and "head" not in LEARNING_MODES
     a = parse_args(["--modes", "plain,ngram,head,auto", "--head", "heads/h"])
@@ -106,7 +106,7 @@ def test_bench_head_mode_starts_a_head_proposer_that_auto_may_pick(tmp_path):
 
 
 def test_bench_head_mode_needs_a_head_folder_for_its_local_deployment(capsys):
-    from specmesh.bench.cli import parse_args
+    from specmesh_bench.cli import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--modes", "plain,head"])

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REFUSED = (
     *("torch", "transformers", "prometheus_client", "redis", "fastapi", "uvicorn", "numpy"),
     *("grpc_health", "grpc_reflection", "matplotlib", "openai"),
-    *("specmesh.server", "specmesh.bench", "verifier_svc", "proposer_svc", "gateway_svc"),
+    *("specmesh_server", "specmesh_bench", "verifier_svc", "proposer_svc", "gateway_svc"),
     *("specmesh_router", "specmesh_kernels"),
 )
 # The finder refuses at find_spec time; it also notes refused imports that specmesh's own code
@@ -150,8 +150,8 @@ def test_server_command_on_a_client_install_prints_one_pip_line(argv, extra, tmp
 
 
 def test_the_guard_refuses_a_server_import_in_the_sdk(tmp_path):
-    # The harness itself is honest: an SDK that imported specmesh.server would fail above.
-    out = run_client_only("import specmesh\nimport specmesh.server\n", tmp_path)
+    # The harness itself is honest: an SDK that imported specmesh_server would fail above.
+    out = run_client_only("import specmesh\nimport specmesh_server\n", tmp_path)
     assert out.returncode != 0 and "refused: client-only install" in out.stderr
 
 
@@ -167,7 +167,7 @@ def _imports(folder: Path) -> set[str]:
 
 
 def test_every_server_only_import_of_the_server_code_is_known_to_the_install_check():
-    folders = ["verifier_svc", "proposer_svc", "gateway_svc", "router", "kernels", "specmesh/server", "specmesh/bench"]
+    folders = ["verifier_svc", "proposer_svc", "gateway_svc", "router", "kernels", "specmesh_server", "specmesh_bench"]
     names = set().union(*(_imports(ROOT / f) for f in folders))
     client = {"grpc", "google", "specmesh", "typing_extensions"}  # the SDK's own dependencies
     unknown = {

@@ -16,15 +16,15 @@ def _parse(service: str, argv: list[str]):
     elif service == "gateway":
         from gateway_svc.config import parse_args
     elif service == "ngram":
-        from proposer_svc.server import parse_args
+        from proposer_svc.ngram.server import parse_args
     elif service == "suffix":
-        from proposer_svc.suffix_server import parse_args
+        from proposer_svc.suffix.server import parse_args
     elif service == "rag":
-        from proposer_svc.rag_server import parse_args
+        from proposer_svc.rag.server import parse_args
     elif service == "head":
-        from proposer_svc.head_server import parse_args
+        from proposer_svc.head.server import parse_args
     else:
-        from proposer_svc.draft_server import parse_args
+        from proposer_svc.draft.server import parse_args
     return parse_args(argv)
 
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from specmesh.server.tree import TokenTree
+from specmesh_server.tree import TokenTree
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 
 VOCAB = 10

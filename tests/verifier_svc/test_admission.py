@@ -9,7 +9,7 @@ import time
 import pytest
 from support import assert_greedy_equal
 
-from specmesh.server.model_runner import ModelRunner
+from specmesh_server.model_runner import ModelRunner
 from verifier_svc import admission
 from verifier_svc.engine import Engine, EngineConfig
 from verifier_svc.events import ErrorEvent, FinishEvent, NeverFits, TokenEvent

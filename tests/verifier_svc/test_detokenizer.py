@@ -9,7 +9,7 @@ from verifier_svc.detokenizer import StopStringFilter, StreamDetokenizer, Window
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_loading import resolve_model_path
+    from specmesh_server.model_loading import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path())
 

@@ -7,8 +7,8 @@ import time
 import pytest
 from support import assert_greedy_equal, workload_prompts
 
-from specmesh.server.model_runner import ModelRunner
-from specmesh.server.torch_thread import TorchThread
+from specmesh_server.model_runner import ModelRunner
+from specmesh_server.torch_thread import TorchThread
 from verifier_svc.engine import Engine, EngineConfig
 from verifier_svc.events import EngineFull, ErrorEvent, FinishEvent, TokenEvent
 from verifier_svc.requests import GenerationRequest, SpecRequest

@@ -115,7 +115,7 @@ def test_triton_on_a_model_the_kernel_does_not_serve_is_refused():
 
 @pytest.mark.usefixtures("no_interpreter", "no_kernel_env")
 def test_the_verifier_refuses_before_loading_the_model_with_one_line(monkeypatch):
-    from specmesh.server import model_loading
+    from specmesh_server import model_loading
 
     monkeypatch.setattr(model_loading, "load_model", lambda *a: pytest.fail("loaded the model before the check"))
     with pytest.raises(SystemExit) as exit_:

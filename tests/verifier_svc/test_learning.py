@@ -10,14 +10,14 @@ import asyncio
 import grpc
 from prometheus_client import CollectorRegistry
 
-from proposer_svc.server import ngram_opener
-from proposer_svc.stream import SERVING_LIMITS, ProposeStream, StreamConfig
-from proposer_svc.suffix import SuffixCache, SuffixConfig, SuffixRequest
-from proposer_svc.suffix_server import SuffixService
+from proposer_svc.core.stream import SERVING_LIMITS, ProposeStream, StreamConfig
+from proposer_svc.ngram.server import ngram_opener
+from proposer_svc.suffix.core import SuffixCache, SuffixConfig, SuffixRequest
+from proposer_svc.suffix.server import SuffixService
 from specmesh.deploy import free_port
-from specmesh.server.metrics import ProposerMetrics, VerifierMetrics
-from specmesh.server.ngram import NgramConfig
 from specmesh.v1 import proposer_pb2_grpc
+from specmesh_server.metrics import ProposerMetrics, VerifierMetrics
+from specmesh_server.ngram import NgramConfig
 from verifier_svc.learning import LearnConfig, OutputLearning
 from verifier_svc.requests import GenerationRequest, SpecRequest
 from verifier_svc.sessions import ProposerTiers

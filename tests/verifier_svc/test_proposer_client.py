@@ -126,7 +126,7 @@ class AsksForStates(proposer_pb2_grpc.ProposerServiceServicer):
 def test_a_proposer_that_asks_for_hidden_states_gets_them_with_each_advance_and_lying_ones_are_dropped():
     import torch
 
-    from specmesh.server.hidden import decode, encode
+    from specmesh_server.hidden import decode, encode
 
     async def run(dtype: int) -> tuple[GrpcProposerSession, AsksForStates]:
         proposer = AsksForStates(dtype)

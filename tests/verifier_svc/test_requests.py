@@ -11,7 +11,7 @@ from verifier_svc.requests import InvalidRequest, ProposerNotConfigured, Request
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from specmesh.server.model_loading import resolve_model_path
+    from specmesh_server.model_loading import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path())
 

@@ -339,7 +339,7 @@ def test_sigterm_drains_the_in_flight_request_then_cuts_what_outlives_the_grace(
     when the grace runs out: UNAVAILABLE telling its client to retry elsewhere, one warning line for
     the drain. (gRPC cancelling it instead gave "Cancelling all calls" and logged an ERROR
     CancelledError traceback per stream.)"""
-    from specmesh.server.serving import RETRY_ELSEWHERE
+    from specmesh_server.serving import RETRY_ELSEWHERE
 
     v = start_verifier(tmp_path, "--grace", "8")
     with Client(v.address) as c:
@@ -371,7 +371,7 @@ def test_sigterm_drains_the_in_flight_request_then_cuts_what_outlives_the_grace(
 def test_logprobs_are_the_models_distribution_as_sampling_used_it(lm, client, prompts):
     import torch
 
-    from specmesh.server.sampling import filter_logits
+    from specmesh_server.sampling import filter_logits
 
     _, ids = prompts[0]
     for params in (SamplingParams(temperature=0.0, max_tokens=6, logprobs=4),

@@ -119,8 +119,8 @@ def test_ngram_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_ev
     test on 2,000 seeds."""
     import torch
 
-    from specmesh.server.ngram import NgramConfig, NgramIndex
-    from specmesh.server.tree import TokenTree
+    from specmesh_server.ngram import NgramConfig, NgramIndex
+    from specmesh_server.tree import TokenTree
 
     n = 20_000
     ids = lm.tokenizer.encode(REPETITIVE_LONG)

@@ -278,8 +278,8 @@ def test_suffix_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_e
     branches at several depths and its nodes are ones the target really accepts."""
     import torch
 
-    from proposer_svc.suffix import SuffixCache, SuffixConfig, SuffixRequest
-    from specmesh.server.tree import TokenTree, depths
+    from proposer_svc.suffix.core import SuffixCache, SuffixConfig, SuffixRequest
+    from specmesh_server.tree import TokenTree, depths
     from verifier_svc.acceptance import children_lists
 
     n = 20_000

@@ -1,0 +1,1 @@
+"""What every proposer service runs: the Propose stream framework and the process wiring."""

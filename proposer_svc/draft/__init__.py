@@ -1,0 +1,1 @@
+"""The draft-model proposer: the batched draft, its service and distillation."""

@@ -1,0 +1,1 @@
+"""The RAG proposer: the datastore, the lookup, its service and the upload CLI."""

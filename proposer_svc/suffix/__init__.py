@@ -1,0 +1,1 @@
+"""The suffix proposer: index, trees and cache (``core``), its service, and sharing through Redis."""

@@ -1,0 +1,227 @@
+"""Runs the stock HF causal LM over the slot KV cache with explicit positions and masks.
+
+One call = one forward pass over a contiguous range of slots, each row bringing ``n`` new
+tokens: ragged rows right-padded, or packed into one row of the real tokens alone
+(``attention.Packing``). Masks are boolean [b, n, kv_len] (True = attend) and become the float
+4D mask transformers passes through unchanged. The same entry point serves chunked prefill,
+plain decode and token-tree verification (ancestor masks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specmesh_router.cost_model import ContextCost, StepCost
+from specmesh_server import attention, packed_linear
+from specmesh_server.kv_cache import SlotKVCache
+
+
+def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Each query sees every cached key up to and including its own position.
+
+    positions: int64 [b, n] → bool [b, n, kv_len].
+
+    >>> causal_mask(torch.tensor([[2], [0]]), 3).int().tolist()
+    [[[1, 1, 1]], [[1, 0, 0]]]
+    """
+    keys = torch.arange(kv_len, device=positions.device)
+    return keys[None, None, :] <= positions[:, :, None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_context: int,
+        tree_kernel: bool | None = None,
+        packed_linears: bool = False,
+        kv_budget_bytes: int | None = None,
+    ) -> None:
+        """``tree_kernel``: tree steps through the Triton tree-attention kernel; default on CUDA only.
+        Otherwise SDPA over the cache without repeating K/V (both in ``attention``; models it does not
+        support keep transformers' attention, and no kernel).
+        ``packed_linears``: on a CPU, replace the model's linear layers in place by oneDNN ones with
+        pre-packed weights (``packed_linear``; ignored where unsupported).
+        ``kv_budget_bytes``: the KV cache never allocates more (None: unbounded)."""
+        # Counted before packing (packed layers keep their weights outside nn.Parameters).
+        weights = sum(
+            p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
+        )
+        self.packed_linears = packed_linears and packed_linear.supported(device, dtype)
+        if self.packed_linears:
+            packed_linear.pack_linears(model)
+        self.model = model
+        self.decoder = model.get_decoder()  # the base model: hidden states, no lm_head
+        self.lm_head = model.get_output_embeddings()
+        self.device, self.dtype = device, dtype
+        cfg = model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        self.vocab_size = int(text_cfg.vocab_size)
+        layers, heads = text_cfg.num_hidden_layers, text_cfg.num_attention_heads
+        bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        # A new token's linear layers (2 flops per weight) cost as much as attending this many cached
+        # keys (4 flops per key, head dimension, head and layer): how prefill work grows with position.
+        self.keys_per_token = max(weights / (2 * head_dim * heads * layers), 256.0)
+        self.cache = SlotKVCache(
+            num_layers=text_cfg.num_hidden_layers,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+            seq_limit=max_context,
+            token_budget=None if kv_budget_bytes is None else kv_budget_bytes // bytes_per_token,
+        )
+        # The kernel applies neither sliding windows nor soft-capping either: supported models only.
+        supported = attention.supports(cfg)
+        self.tree_kernel = supported and (device.type == "cuda" if tree_kernel is None else tree_kernel)
+        self.packs = supported  # packed forwards need this module's attention function
+        if supported:
+            model.set_attn_implementation(attention.register())
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        rows: slice,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        write_pos: torch.Tensor | None = None,
+        packing: attention.Packing | None = None,
+        tree_meta: Any | None = None,
+    ) -> torch.Tensor:
+        """Hidden states of the new tokens.
+
+        input_ids, positions: int64 [b, n]; mask: bool [b, n, kv_len]; write_pos: int64 [b, n]
+        (cache slots for the new tokens; defaults to ``positions``) → [b, n, hidden].
+        ``packing`` (only where ``packs``): run only the real tokens it lists, as one row, and
+        return theirs → [1, N, hidden] in its order (see ``attention``).
+        ``tree_meta`` (where ``tree_kernel``): the kernel's form of ``mask``, built by the caller from its
+        trees (``tree_meta_from_trees``); otherwise derived from ``mask``, which costs a device read.
+        """
+        kv_len = mask.shape[-1]
+        write_pos = positions if write_pos is None else write_pos
+        tree: dict[str, Any] = {}
+        if self.tree_kernel:  # the kernel's form of the mask, or SDPA with the dense mask for this forward
+            from specmesh_kernels.tree_attention import tree_meta_from_mask
+
+            meta = tree_meta if tree_meta is not None else tree_meta_from_mask(mask, write_pos)
+            if meta is not None:
+                tree[attention.META_KWARG] = meta
+        if packing is not None:
+            at = (packing.rows, packing.cols)
+            input_ids, positions, write_pos = input_ids[at][None], positions[at][None], write_pos[at][None]  # [1, N]
+            self.cache.begin_forward(rows, write_pos, kv_len, token_rows=packing.rows[None])
+            tree[attention.PACK_KWARG] = packing
+        else:
+            self.cache.begin_forward(rows, write_pos, kv_len)
+        attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
+        attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
+        out = self.decoder(
+            input_ids=input_ids,
+            attention_mask=attn[:, None],  # [b, 1, n, kv_len]
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            **tree,
+        )
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] → fp32 [..., vocab]."""
+        return self.lm_head(hidden).float()
+
+
+def measure_step_cost(
+    runner: ModelRunner,
+    rows: tuple[int, ...] = (1, 2, 4, 8),
+    widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    prefix: int = 128,
+    max_tokens: int = 128,
+    repeats: int = 2,
+) -> StepCost:
+    """Time one forward (and its logits) over r rows × w new tokens after a ``prefix``-token context,
+    for each r in ``rows`` and each w in ``widths`` with r·w ≤ ``max_tokens`` (best of ``repeats``).
+
+    Runs in slots 0..max(rows)-1 of an empty cache at start-up (a few seconds on a CPU); the
+    engine then corrects the table from live steps (``router.cost_model.LiveStepCost``).
+    """
+    dev = runner.device
+    with torch.inference_mode():
+        top = max(rows)
+        ids = torch.randint(0, runner.vocab_size, (top, prefix + max(widths)), device=dev)
+        pos = torch.arange(prefix, device=dev)[None].expand(top, prefix)
+        runner.forward(slice(0, top), ids[:, :prefix], pos, causal_mask(pos, prefix))
+        table = [
+            [_timed_forward(runner, ids[:r], prefix, w, repeats) for w in widths if r * w <= max(max_tokens, r)]
+            for r in rows
+        ]
+    # Costs never fall with more tokens or more rows; noise must not say otherwise.
+    for i, seconds in enumerate(table):
+        for j in range(len(seconds)):
+            floor = max(seconds[j - 1] if j else 0.0, table[i - 1][j] if i and j < len(table[i - 1]) else 0.0)
+            seconds[j] = max(seconds[j], floor)
+    return StepCost(tuple(rows), tuple(widths), tuple(tuple(s) for s in table), measure_context_cost(runner, prefix))
+
+
+def measure_context_cost(
+    runner: ModelRunner,
+    prefix: int = 128,
+    longer: int = 960,  # with the widest query, within 1,024 positions (a power-of-two allocation)
+    rows: int = 1,
+    widths: tuple[int, int] = (1, 32),
+    repeats: int = 3,
+) -> ContextCost | None:
+    """Fit ``ContextCost`` from forwards of ``rows`` rows × each of ``widths`` after ``prefix`` and
+    after ``longer`` cached positions (best of ``repeats``): the difference per row and key at
+    width 1, and its growth per query. None where the cache holds no context that much longer.
+
+    No prefill: the forwards attend to whatever the cache holds (zeros past what the table's
+    measurement wrote), which costs the same as a real context."""
+    dev = runner.device
+    cache, room = runner.cache, max(widths) + 1
+    if cache.seq_limit is not None:
+        longer = min(longer, cache.seq_limit - room)
+    if cache.token_budget is not None:  # every allocated slot grows to the longest row's positions
+        slots = max(rows, cache.keys[0].shape[0] if cache.keys else 0)
+        longer = min(longer, cache.token_budget // slots - room)
+    if longer < prefix + 256:
+        return None
+
+    with torch.inference_mode():
+        ids = torch.randint(0, runner.vocab_size, (rows, longer + max(widths)), device=dev)
+        cache.reserve(rows, longer + room)  # zeros: attention costs what it costs whatever the keys hold
+        (w1, w2), keys = widths, longer - prefix
+        d1, d2 = (
+            _timed_forward(runner, ids, longer, w, repeats) - _timed_forward(runner, ids, prefix, w, repeats)
+            for w in widths
+        )
+    per_query_key = max((d2 - d1) / (rows * keys * (w2 - w1)), 0.0)
+    per_row_key = max(d1 / (rows * keys) - per_query_key * w1, 0.0)
+    return ContextCost(prefix, per_row_key, per_query_key)
+
+
+def _timed_forward(runner: ModelRunner, ids: torch.Tensor, at: int, width: int, repeats: int) -> float:
+    """Best of ``repeats`` seconds of one forward (and its logits) over rows 0..len(ids) - 1, each
+    bringing ``ids[:, at : at + width]`` after ``at`` cached positions."""
+    import time
+
+    dev, rows = runner.device, ids.shape[0]
+    pos = torch.arange(at, at + width, device=dev)[None].expand(rows, width)
+    mask = causal_mask(pos, at + width)
+    best = float("inf")
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.logits(runner.forward(slice(0, rows), ids[:, at : at + width], pos, mask))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
