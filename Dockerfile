@@ -50,6 +50,8 @@ RUN flavour=cpu; [ "${VARIANT}" = cuda ] && flavour=cu128; \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY specmesh ./specmesh
+COPY specmesh_server ./specmesh_server
+COPY specmesh_bench ./specmesh_bench
 COPY verifier_svc ./verifier_svc
 COPY proposer_svc ./proposer_svc
 COPY gateway_svc ./gateway_svc

@@ -6,9 +6,11 @@ Unknown fields are ignored, as OpenAI-compatible servers do. A field we know but
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from gateway_svc.errors import ApiError
 from specmesh.params import SamplingParams, SpecDecodeParams
@@ -27,25 +29,19 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class SpecDecode(_Body):
-    """``extra_body={"spec_decode": {...}}``: the SDK's SpecDecodeParams, per request."""
+def _sdk_model(name: str, params: type, doc: str) -> type[BaseModel]:
+    """A request model with exactly the fields of an SDK parameter dataclass, its types and defaults.
 
-    proposer: str = "auto"
-    num_speculative_tokens: int = 0
-    max_tree_nodes: int = 0
-    workload_tag: str = ""
-    corpus: str = ""
-    cache_scope: str = ""
+    The proto is the source of the fields; the SDK dataclass mirrors it (tests/test_request_fields.py),
+    and this body is made from the dataclass, so a new field is added in the proto and the SDK only.
+    An unknown key is a 400 naming it: these are our own parameters, not OpenAI's.
+    """
+    hints = typing.get_type_hints(params)
+    fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(params)}
+    return create_model(name, __config__=ConfigDict(extra="forbid"), __doc__=doc, **fields)
 
-    def to_params(self) -> SpecDecodeParams:
-        return SpecDecodeParams(
-            proposer=self.proposer,
-            num_speculative_tokens=self.num_speculative_tokens,
-            max_tree_nodes=self.max_tree_nodes,
-            workload_tag=self.workload_tag,
-            corpus=self.corpus,
-            cache_scope=self.cache_scope,
-        )
+
+SpecDecode = _sdk_model("SpecDecode", SpecDecodeParams, '``extra_body={"spec_decode": {...}}``: SpecDecodeParams.')
 
 
 class StreamOptions(_Body):
@@ -113,7 +109,7 @@ class _Generation(_Body):
         )
 
     def spec(self) -> SpecDecodeParams:
-        return (self.spec_decode or SpecDecode()).to_params()
+        return SpecDecodeParams(**self.spec_decode.model_dump()) if self.spec_decode else SpecDecodeParams()
 
 
 class TextPart(_Body):

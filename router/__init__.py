@@ -1,8 +1,8 @@
 """Speculation routing: which proposer and how much to speculate, per request.
 
 Knows no model: it decides from request parameters, the runtime policy, live acceptance
-statistics (``router.stats``: in process or shared through Redis) and the measured cost of a
-verification step (``router.cost_model``). ``router.selection`` holds the policy core.
+statistics (``router.stats``: in process, or shared through Redis by ``router.redis_stats``) and
+the measured cost of a verification step (``router.cost_model``). ``router.selection`` holds the policy core.
 """
 
 from specmesh_router.cost_model import LiveStepCost, StepCost, choose_width, choose_widths

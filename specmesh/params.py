@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from specmesh.v1 import generation_pb2, params_pb2
@@ -29,13 +30,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def to_proto(self) -> params_pb2.SamplingParams:
-        msg = params_pb2.SamplingParams(
-            top_k=self.top_k, stop=list(self.stop), ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids)
-        )
-        for name in ("temperature", "top_p", "seed", "max_tokens", "logprobs"):
-            if (value := getattr(self, name)) is not None:
-                setattr(msg, name, value)
-        return msg
+        # the proto's fields, by name (tests/test_request_fields.py); None leaves an optional one unset
+        return params_pb2.SamplingParams(**{k: v for k, v in dataclasses.asdict(self).items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -48,14 +44,7 @@ class SpecDecodeParams:
     cache_scope: str = ""  # suffix-cache partition: proposals only from this scope's past outputs
 
     def to_proto(self) -> params_pb2.SpecDecodeParams:
-        return params_pb2.SpecDecodeParams(
-            proposer=self.proposer,
-            num_speculative_tokens=self.num_speculative_tokens,
-            max_tree_nodes=self.max_tree_nodes,
-            workload_tag=self.workload_tag,
-            corpus=self.corpus,
-            cache_scope=self.cache_scope,
-        )
+        return params_pb2.SpecDecodeParams(**dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)

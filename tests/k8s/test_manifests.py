@@ -924,7 +924,7 @@ def test_the_image_bakes_the_model_path_the_manifests_load():
     build = "\n".join(rest for w, rest in dockerfile() if w == "RUN")
     folder = Path(model).name
     assert f"/models/{folder} {Path(model).parent}" in build, "the bake step must move the converted model there"
-    assert f'"models" / "{folder}"' in (ROOT / "specmesh" / "server" / "model_loading.py").read_text()
+    assert f'"models" / "{folder}"' in (ROOT / "specmesh_server" / "model_loading.py").read_text()
     for kustomization in ALL:
         models = next(cm for n, cm in objects(kustomization, "ConfigMap").items() if n.startswith("specmesh-models"))
         assert models["data"] == {"target": model, "draft": model}

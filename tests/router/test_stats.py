@@ -10,15 +10,8 @@ import time
 import pytest
 import redis
 
-from specmesh_router.stats import (
-    AcceptanceStats,
-    InProcessStats,
-    RedisStats,
-    StatsConfig,
-    StatsKey,
-    decay_add,
-    redis_key,
-)
+from specmesh_router.redis_stats import RedisStats, decay_add, redis_key
+from specmesh_router.stats import AcceptanceStats, InProcessStats, StatsConfig, StatsKey
 
 NGRAM = StatsKey("SmolLM2-135M-Instruct", "ngram", "code")
 DRAFT = StatsKey("SmolLM2-135M-Instruct", "draft", "chat")
@@ -181,7 +174,7 @@ def test_redis_down_at_start_then_killed_and_restarted_never_raises_and_resumes(
         backoff_max_s=0.2,
         socket_timeout_s=0.2,
     )
-    caplog.set_level(logging.INFO, logger="specmesh_router.stats")
+    caplog.set_level(logging.INFO, logger="specmesh_router.redis_stats")
 
     def warnings() -> int:
         return sum(r.levelno == logging.WARNING and "unavailable" in r.message for r in caplog.records)

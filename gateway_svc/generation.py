@@ -1,0 +1,189 @@
+"""Serving one completion request, chat or text: its choices opened on the verifier, answered as
+one JSON body or as an SSE stream.
+
+A stream's first chunk is awaited before the HTTP response starts, so a request the verifier
+refuses gets its status (400/429/503…) instead of a 200 followed by an error event; errors after
+that arrive as one SSE ``data: {"error": …}`` event before ``[DONE]``. A client that goes away
+closes the gRPC streams, and the verifier frees their slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway_svc.auth import tenant_scope
+from gateway_svc.choices import Choice, close_choices, merged
+from gateway_svc.errors import from_grpc
+from gateway_svc.metrics import GatewayMetrics
+from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest
+from gateway_svc.responses import chat_logprobs, completion_logprobs, finish, speculation, usage_of
+from gateway_svc.upstream import Gateway, ModelInfo
+from specmesh.params import Prompt, SpecDecodeParams, Summary
+
+
+def sse(obj: dict | str) -> bytes:
+    """One server-sent event.
+
+    >>> sse({"a": "é"})
+    b'data: {"a":"\\xc3\\xa9"}\\n\\n'
+    >>> sse("[DONE]")
+    b'data: [DONE]\\n\\n'
+    """
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def request_spec(body: ChatCompletionRequest | CompletionRequest, request: Request) -> SpecDecodeParams:
+    """The request's SpecDecodeParams; with API keys, its cache scope inside its key's tenant."""
+    spec = body.spec()
+    tenant = getattr(request.state, "tenant", None)
+    return dataclasses.replace(spec, cache_scope=tenant_scope(tenant, spec.cache_scope))
+
+
+async def generate(
+    gw: Gateway,
+    body: ChatCompletionRequest | CompletionRequest,
+    info: ModelInfo,
+    prompts: list[Prompt],
+    chat: bool,
+    params: dict,
+    spec: SpecDecodeParams,
+) -> Response:
+    """Open the request's choices (refusals raise ApiError before any byte is sent) and answer."""
+    m = gw.metrics
+    endpoint = f"/v1/{'chat/' if chat else ''}completions"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    t0 = time.perf_counter()
+    m.in_flight.inc()
+    try:
+        choices = await gw.open(prompts, chat, body.n, body.sampling_for, spec, rid, params)
+    except BaseException:
+        m.in_flight.dec()
+        raise
+    m.ttft.observe(time.perf_counter() - t0)
+    head = {"id": rid, "created": int(time.time()), "model": info.name}
+    want_logprobs = body.wants_logprobs
+    if not body.stream:
+        try:
+            async for c, item in merged(choices):
+                c.take(item)
+        except grpc.RpcError as exc:
+            raise from_grpc(exc, **params) from None
+        finally:
+            await close_choices(choices)
+            m.in_flight.dec()
+        summaries = {c.index: c.summary for c in choices}
+        count_summaries(m, summaries.values())
+        m.requests.labels(endpoint, "200").inc()
+        m.latency.labels(endpoint, "false").observe(time.perf_counter() - t0)
+        out = []
+        for c in choices:
+            choice = {"index": c.index, **finish(c.summary)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["logprobs"] = chat_logprobs(c.logprobs) if want_logprobs else None
+            else:
+                choice["text"] = c.text
+                choice["logprobs"] = completion_logprobs(c.logprobs) if want_logprobs else None
+            out.append(choice)
+        return JSONResponse(
+            {
+                **head,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": out,
+                "usage": usage_of(summaries, body.n),
+                "metrics": {"speculative_decoding": speculation(list(summaries.values()))},
+            }
+        )
+    m.requests.labels(endpoint, "200").inc()
+    stream = _events(m, choices, head, chat, want_logprobs, body.include_usage, body.n, params, endpoint, t0)
+    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _events(
+    m: GatewayMetrics,
+    choices: list[Choice],
+    head: dict,
+    chat: bool,
+    want_logprobs: bool,
+    include_usage: bool,
+    n: int,
+    params: dict,
+    endpoint: str,
+    t0: float,
+) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    extra = {"usage": None} if include_usage else {}
+
+    def event(choice: dict) -> bytes:
+        return sse({**head, "object": obj, "choices": [choice], **extra})
+
+    last = {c.index: t0 for c in choices}
+    offsets = dict.fromkeys(last, 0)
+    finished = False
+    try:
+        if chat:
+            for c in choices:
+                delta = {"role": "assistant", "content": ""}
+                yield event({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
+        async for c, item in merged(choices):
+            c.take(item)
+            if isinstance(item, Summary):
+                fin = {"index": c.index, **finish(item)}
+                fin.update({"delta": {}, "logprobs": None} if chat else {"text": "", "logprobs": None})
+                yield event(fin)
+                continue
+            now = time.perf_counter()
+            if item.token_ids and last[c.index] != t0:
+                m.tokens_between(now - last[c.index], len(item.token_ids))
+            last[c.index] = now
+            if not item.text and not (want_logprobs and item.logprobs):
+                continue  # held-back text (a stop string's prefix, a partial character): nothing to show
+            lp = None
+            if want_logprobs and item.logprobs:
+                lp = chat_logprobs(item.logprobs) if chat else completion_logprobs(item.logprobs, offsets[c.index])
+            offsets[c.index] += len(item.text)
+            if chat:
+                yield event({"index": c.index, "delta": {"content": item.text}, "logprobs": lp, "finish_reason": None})
+            else:
+                yield event({"index": c.index, "text": item.text, "logprobs": lp, "finish_reason": None})
+        summaries = {c.index: c.summary for c in choices}
+        count_summaries(m, summaries.values())
+        if include_usage:
+            yield sse(
+                {
+                    **head,
+                    "object": obj,
+                    "choices": [],
+                    "usage": usage_of(summaries, n),
+                    "metrics": {"speculative_decoding": speculation(list(summaries.values()))},
+                }
+            )
+        finished = True
+    except grpc.RpcError as exc:  # after the 200: the error travels in the stream
+        yield sse(from_grpc(exc, **params).body())
+        finished = True
+    finally:
+        await close_choices(choices)
+        m.in_flight.dec()
+        m.latency.labels(endpoint, "true").observe(time.perf_counter() - t0)
+        if not finished:
+            m.disconnects.inc()
+    yield sse("[DONE]")
+
+
+def count_summaries(m: GatewayMetrics, summaries: Iterable[Summary]) -> None:
+    """Add finished choices' token counts to the gateway's counters."""
+    for s in summaries:
+        m.prompt_tokens.inc(s.prompt_tokens)
+        m.completion_tokens.inc(s.completion_tokens)
+        m.drafted.inc(s.speculation.drafted_tokens)
+        m.accepted.inc(s.speculation.accepted_tokens)

@@ -1,0 +1,24 @@
+"""``POST /v1/chat/completions``: one conversation, answered by the verifier's chat template."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from gateway_svc.generation import generate, request_spec
+from gateway_svc.protocol import ChatCompletionRequest
+from gateway_svc.upstream import Gateway, current_gateway
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, gw: Annotated[Gateway, Depends(current_gateway)]
+) -> Response:
+    body.check(gw.config.max_n)
+    info = await gw.check_model(body.model)
+    params = {"max_tokens_param": body.max_tokens_param, "logprobs_param": "top_logprobs"}
+    return await generate(gw, body, info, [body.chat()], True, params, request_spec(body, request))

@@ -1,0 +1,89 @@
+"""A request field is defined once, in the proto (protos/specmesh/v1/params.proto).
+
+The SDK's dataclasses mirror it field by field (their ``to_proto`` goes by name), the gateway's
+``spec_decode`` body is made from the SDK dataclass, and the verifier's validated request carries
+every field on: these tests fail the day a field is added in one layer and not the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gateway_svc.protocol import CompletionRequest, SpecDecode
+from specmesh.params import SamplingParams, SpecDecodeParams
+from specmesh.v1 import generation_pb2, params_pb2
+from verifier_svc.requests import GenerationRequest, RequestLimits, SpecRequest, build_request
+
+PAIRS = [(SamplingParams, params_pb2.SamplingParams), (SpecDecodeParams, params_pb2.SpecDecodeParams)]
+# One value per field, none of them the default, each one the verifier accepts.
+SAMPLING = SamplingParams(
+    temperature=0.5, top_p=0.9, top_k=7, seed=11, max_tokens=5, stop=("\n\n",), ignore_eos=True, logprobs=2,
+    stop_token_ids=(3, 4),
+)  # fmt: skip
+SPEC = SpecDecodeParams(
+    proposer="ngram", num_speculative_tokens=3, max_tree_nodes=9, workload_tag="qa", corpus="docs", cache_scope="t1"
+)
+
+
+@pytest.mark.parametrize(("sdk", "message"), PAIRS, ids=lambda x: getattr(x, "__name__", ""))
+def test_each_sdk_dataclass_has_the_protos_fields_in_order_with_matching_defaults(sdk, message) -> None:
+    proto_fields = message.DESCRIPTOR.fields
+    assert [f.name for f in dataclasses.fields(sdk)] == [f.name for f in proto_fields]
+    for f, pf in zip(dataclasses.fields(sdk), proto_fields, strict=True):
+        if pf.is_repeated:
+            assert f.default == (), f.name  # repeated: an empty tuple
+        elif pf.has_presence:
+            assert f.default is None, f.name  # proto3 optional: None leaves it unset (the server's default)
+        else:
+            assert f.default == pf.default_value or (f.name == "proposer" and f.default == "auto"), f.name
+
+
+@pytest.mark.parametrize(("sdk", "message"), PAIRS, ids=lambda x: getattr(x, "__name__", ""))
+def test_to_proto_carries_every_field(sdk, message) -> None:
+    params = SAMPLING if sdk is SamplingParams else SPEC
+    msg = params.to_proto()
+    for f in dataclasses.fields(sdk):
+        value = getattr(msg, f.name)
+        assert (tuple(value) if isinstance(getattr(params, f.name), tuple) else value) == pytest.approx(
+            getattr(params, f.name)
+        ), f.name
+    assert not SamplingParams().to_proto().HasField("temperature")  # None: unset, not 0
+
+
+def test_the_gateways_spec_decode_body_is_the_sdk_dataclass() -> None:
+    assert {name: f.default for name, f in SpecDecode.model_fields.items()} == {
+        f.name: f.default for f in dataclasses.fields(SpecDecodeParams)
+    }
+    body = {"model": "m", "prompt": "x", "spec_decode": dataclasses.asdict(SPEC)}
+    assert CompletionRequest.model_validate(body).spec() == SPEC
+    with pytest.raises(ValueError, match="proposr"):  # our own parameters: a misspelt one is refused
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "spec_decode": {"proposr": "ngram"}})
+
+
+def test_the_gateway_sets_every_sampling_field() -> None:
+    body = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11, "stop": ["\n\n"],
+         "ignore_eos": True, "stop_token_ids": [3, 4]}
+    )  # fmt: skip
+    assert body.sampling(max_tokens=5, logprobs=2, choice=0) == SAMPLING
+
+
+def test_every_field_reaches_the_verifiers_validated_request() -> None:
+    msg = generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=[1, 2, 3]), sampling=SAMPLING.to_proto(), spec_decode=SPEC.to_proto()
+    )
+    limits = RequestLimits(max_context=64, vocab_size=100, configured_proposers=("ngram",))
+    req = build_request(msg, tokenizer=None, limits=limits)
+    for f in dataclasses.fields(SamplingParams):
+        got = getattr(req, f.name)
+        want = getattr(SAMPLING, f.name)
+        assert (sorted(got) if isinstance(got, frozenset) else got) == pytest.approx(
+            list(want) if f.name == "stop_token_ids" else want
+        ), f.name
+    assert {f.name for f in dataclasses.fields(SpecRequest)} == {f.name for f in dataclasses.fields(SpecDecodeParams)}
+    assert {f.name: getattr(req.spec, f.name) for f in dataclasses.fields(SpecRequest)} == dataclasses.asdict(SPEC)
+    assert {f.name for f in dataclasses.fields(GenerationRequest)} >= {
+        f.name for f in dataclasses.fields(SamplingParams)
+    }
