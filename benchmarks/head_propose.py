@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from proposer_svc.draft.proposer import DraftConfig, SearchRow
+from proposer_svc.core.tree_search import DraftConfig, SearchRow
 from proposer_svc.head.proposer import DraftRow, draft_trees, load_head
 from specmesh.v1 import proposer_pb2
 from specmesh_server.hidden import encode

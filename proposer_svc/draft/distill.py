@@ -23,10 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specmesh_server.flags import at_least
+from proposer_svc.core.target_answers import generate_answers
+from proposer_svc.core.training_cli import (
+    ToolCommand,
+    ToolFlag,
+    out_flag,
+    parse_tool,
+    shared_flag,
+    target_flag,
+    tool_config,
+)
 
 log = logging.getLogger(__name__)
-WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "specbench_offline_dev.jsonl"
+WORKLOAD = Path(__file__).resolve().parents[2] / "workloads" / "specbench_offline_dev.jsonl"
 
 
 @dataclass(frozen=True)
@@ -87,35 +96,6 @@ def workload_texts(tokenizer: Any) -> list[list[int]]:
         msgs = [{"role": "user", "content": row["turns"][0]}]
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
         out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
-    return out
-
-
-def generate_answers(
-    model: Any, prompts: list[list[int]], tokens: int, deadline: float, pad: int, temperature: float = 0.0
-) -> list[list[int]]:
-    """Target answers (prompt + answer), 8 prompts at a time, until the deadline: greedy, or sampled
-    at ``temperature``."""
-    import torch
-
-    out = []
-    for i in range(0, len(prompts), 8):
-        if time.monotonic() > deadline:
-            break
-        group = [p[-384:] for p in prompts[i : i + 8]]
-        n = max(map(len, group))
-        ids = torch.full((len(group), n), pad)
-        att = torch.zeros(len(group), n, dtype=torch.long)
-        for j, p in enumerate(group):
-            ids[j, n - len(p) :] = torch.tensor(p)
-            att[j, n - len(p) :] = 1
-        with torch.inference_mode():
-            sampling = (
-                {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
-            )
-            gen = model.generate(ids, attention_mask=att, max_new_tokens=tokens, pad_token_id=pad, **sampling)
-        for j, p in enumerate(group):
-            answer = [t for t in gen[j, n:].tolist() if t != pad]
-            out.append(p + answer)
     return out
 
 
@@ -208,62 +188,39 @@ def top1_agreement(teacher: Any, student: Any, texts: list[list[int]]) -> float:
     return hit / max(total, 1)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="specmesh draft", description="Draft models for the draft proposer.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser(
-        "distill",
-        help="train a small draft from the target (CPU, minutes)",
-        description="Train a few-layer draft from the target: its embeddings and head frozen, KL to its top-64.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def command() -> ToolCommand:
+    """``specmesh draft distill``'s command line."""
     c = DistillConfig()
-    d.add_argument("--model", default=None, help="target: HF folder or .gguf; unset: SmolLM2-135M-Instruct")
-    d.add_argument("--layers", type=int, default=c.layers, help="target decoder layers kept")
-    d.add_argument("--minutes", type=float, default=c.minutes, help="wall-clock training budget")
-    d.add_argument(
-        "--out", required=True, default=argparse.SUPPRESS, help="output HF folder (for `specmesh serve draft --model`)"
+    flags = (
+        target_flag("--model"),
+        ToolFlag("--layers", "target decoder layers kept", int, c.layers, minimum=1),
+        shared_flag("--minutes", c.minutes),
+        out_flag("output HF folder (for `specmesh serve draft --model`)"),
+        ToolFlag("--seq-len", "tokens per training sequence", int, c.seq_len, minimum=2),
+        shared_flag("--batch", c.batch, "sequences per step"),
+        shared_flag("--lr", c.lr),
+        shared_flag("--generate-fraction", c.generate_fraction),
+        shared_flag("--threads", c.threads),
+        shared_flag("--seed", c.seed),
     )
-    d.add_argument("--seq-len", type=int, default=c.seq_len, help="tokens per training sequence")
-    d.add_argument("--batch", type=int, default=c.batch, help="sequences per step")
-    d.add_argument("--lr", type=float, default=c.lr, help="AdamW learning rate")
-    d.add_argument(
-        "--generate-fraction",
-        type=float,
-        default=c.generate_fraction,
-        help="share of the time budget spent generating the target's answers",
+    return ToolCommand(
+        "specmesh draft",
+        "Draft models for the draft proposer.",
+        "distill",
+        "train a small draft from the target (CPU, minutes)",
+        "Train a few-layer draft from the target: its embeddings and head frozen, KL to its top-64.",
+        flags,
     )
-    d.add_argument("--threads", type=int, default=c.threads, help="torch threads")
-    d.add_argument("--seed", type=int, default=c.seed, help="data order and initialisation")
-    a = p.parse_args(argv)
-    for flag, value, low in (
-        ("--layers", a.layers, 1),
-        ("--minutes", a.minutes, 0),
-        ("--seq-len", a.seq_len, 2),
-        ("--batch", a.batch, 1),
-        ("--lr", a.lr, 0),
-        ("--generate-fraction", a.generate_fraction, 0),
-        ("--threads", a.threads, 1),
-    ):
-        at_least(d, flag, value, low)
-    if a.generate_fraction >= 1:
-        d.error(f"--generate-fraction must be < 1, got {a.generate_fraction}")
-    return a
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parse_tool(command(), argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
-    cfg = DistillConfig(
-        layers=a.layers,
-        minutes=a.minutes,
-        seq_len=a.seq_len,
-        batch=a.batch,
-        lr=a.lr,
-        generate_fraction=a.generate_fraction,
-        threads=a.threads,
-        seed=a.seed,
-    )
+    cfg = tool_config(DistillConfig, a)
     result = distill(a.model, Path(a.out), cfg)
     print(
         f"draft distill: {cfg.layers} layers, {result['steps']} steps, final KL {result['final_kl']:.3f}, "

@@ -9,26 +9,26 @@ independent of the target's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import logging
-import queue
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from proposer_svc.core.event_thread import EventThread
 from proposer_svc.core.process import ServingConfig, add_serving_flags, proposer_server, serve_proposer, serving_config
 from proposer_svc.core.stream import Deliver, Opener, ProposeStream, StreamConfig, StreamLimits
+from proposer_svc.core.tree_flags import add_tree_flags, tree_settings
 from specmesh.v1 import proposer_pb2
 from specmesh_server.flags import ServiceFlags
 from specmesh_server.log_limit import RateLimitedLog
 from specmesh_server.metrics import ProposerMetrics
 from specmesh_server.packed_linear import add_linears_flag
-from specmesh_server.torch_thread import ThreadLoop, TorchThread
+from specmesh_server.torch_thread import TorchThread
 
 if TYPE_CHECKING:
-    from proposer_svc.draft.proposer import DraftConfig
+    from proposer_svc.core.tree_search import DraftConfig
 
 log = logging.getLogger(__name__)
 errors = RateLimitedLog(log)  # a persistent failure (OOM, a bug) repeats every round: one line per 10 s
@@ -51,40 +51,6 @@ class _Advance:
 @dataclass
 class _Close:
     key: int
-
-
-class EventThread:
-    """The thread a batching proposer's model state lives on (draft, head): the streams ``submit``
-    events; the thread takes them in batches (``_events``) and drafts in between. ``thread``: the
-    one that loaded the model, so the process has one OpenMP team (``specmesh_server.torch_thread``);
-    default a new one."""
-
-    def __init__(self, name: str, thread: TorchThread | None = None) -> None:
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = ThreadLoop(self._run, name, thread)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
-
-    def submit(self, event: Any) -> None:
-        self._inbox.put(event)
-
-    def _run(self) -> None:
-        raise NotImplementedError
-
-    def _events(self) -> list[Any] | None:
-        """Blocks for the next event, then takes every queued one; None once stopped."""
-        events = [self._inbox.get()]
-        while not self._inbox.empty():
-            events.append(self._inbox.get())
-        return None if any(e is None for e in events) else events
-
-    def _pending(self) -> bool:
-        return not self._inbox.empty()
 
 
 class DraftLoop(EventThread):
@@ -259,21 +225,6 @@ class DraftServerConfig:
     branch: int = 4
 
 
-def add_tree_flags(f: ServiceFlags, d: Any, forward: str) -> None:
-    """The batched tree search's flags (``draft.TreeSearch``), defaults from ``d``'s fields of the
-    same names: shared by the draft and the head proposers."""
-    f.add("--max-batch", d.max_batch, int, f"requests drafted together in one {forward}", minimum=1)
-    f.add("--max-nodes", d.max_nodes, int, "tree nodes per proposal (caps the verifier's budget)", minimum=1)
-    f.add("--max-depth", d.max_depth, int, "tree depth per proposal (caps the verifier's budget)", minimum=1)
-    f.add("--width", d.width, int, "frontier nodes expanded per level", minimum=1)
-    f.add("--branch", d.branch, int, "children per expanded node", minimum=1)
-
-
-def tree_settings(a: argparse.Namespace) -> dict[str, int]:
-    """The parsed ``add_tree_flags``, as config fields."""
-    return {k: getattr(a, k) for k in ("max_batch", "max_nodes", "max_depth", "width", "branch")}
-
-
 def build_flags() -> ServiceFlags:
     """The draft proposer's flags (``specmesh serve draft --help``)."""
     d = DraftServerConfig()
@@ -335,7 +286,8 @@ def load_draft(cfg: DraftServerConfig) -> tuple[Any, Any]:
 async def run(cfg: DraftServerConfig) -> None:
     import torch
 
-    from proposer_svc.draft.proposer import DraftConfig, Drafter
+    from proposer_svc.core.tree_search import DraftConfig
+    from proposer_svc.draft.proposer import Drafter
     from specmesh_server.model_loading import tokenizer_hash
 
     t0 = time.perf_counter()

@@ -12,12 +12,13 @@ Draft vocabulary (EAGLE-3's d2t / FR-Spec): the N tokens the target emits most o
 target id; ``draft_ids[i]`` is draft token i's target id. Greedy trees are exact whenever the
 target's token is in it; elsewhere the head simply misses.
 
-Trees (batched across requests, one head forward per depth for all of them) take the shape of
-the draft model's (``proposer_svc.draft.proposer``): greedy requests grow EAGLE-2 dynamic trees (children:
-each frontier node's top ``branch``; next frontier: the ``width`` best by path probability; sent:
-the ``max_nodes`` best, best first, with their path probabilities); sampled requests get the static
-``sampling_template`` shape, children drawn without replacement from the head's truncated
-softmax over its support, each sent with the exact distribution it was drawn from.
+Trees (batched across requests, one head forward per depth for all of them) come from the batched
+tree search the draft model runs too (``proposer_svc.core.tree_search``): greedy requests grow
+EAGLE-2 dynamic trees (children: each frontier node's top ``branch``; next frontier: the ``width``
+best by path probability; sent: the ``max_nodes`` best, best first, with their path probabilities);
+sampled requests get the static ``sampling_template`` shape, children drawn without replacement
+from the head's truncated softmax over its support, each sent with the exact distribution it was
+drawn from.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from proposer_svc.draft.proposer import DraftConfig, SearchRow, SearchTree, TreeSearch
+from proposer_svc.core.tree_search import DraftConfig, SearchRow, SearchTree, TreeSearch
 
 _HEAD_SEED_MIX = 0x2545F4914F6CDD1D  # head noise: a stream apart from the verifier's uniforms and the draft's
 HEAD_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from proposer_svc.core.event_thread import EventThread
 from proposer_svc.core.process import ServingConfig, add_serving_flags, proposer_server, serve_proposer, serving_config
 from proposer_svc.core.stream import Deliver, Opener, ProposeStream, StreamConfig
-from proposer_svc.draft.server import EventThread, add_tree_flags, tree_settings
+from proposer_svc.core.tree_flags import add_tree_flags, tree_settings
 from specmesh.v1 import proposer_pb2
 from specmesh_server.flags import ServiceFlags
 from specmesh_server.log_limit import RateLimitedLog
@@ -34,7 +35,7 @@ from specmesh_server.torch_thread import TorchThread
 if TYPE_CHECKING:
     import torch
 
-    from proposer_svc.draft.proposer import DraftConfig, SearchRow
+    from proposer_svc.core.tree_search import DraftConfig, SearchRow
     from proposer_svc.head.proposer import Head
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class HeadStream:
         self._state: torch.Tensor | None = None
 
     def start(self, prompt: list[int], budget: proposer_pb2.TreeBudget) -> proposer_pb2.ProposeResponse:
-        from proposer_svc.draft.proposer import SearchRow
+        from proposer_svc.core.tree_search import SearchRow
 
         s = self.start_msg.sampling
         search = SearchRow(budget.max_nodes, budget.max_depth, len(prompt), s.temperature, s.top_p, s.top_k, s.seed)
@@ -249,7 +250,7 @@ def load(cfg: HeadServerConfig) -> tuple[Path, Path, Head]:
 async def run(cfg: HeadServerConfig) -> None:
     import torch
 
-    from proposer_svc.draft.proposer import DraftConfig
+    from proposer_svc.core.tree_search import DraftConfig
 
     thread = TorchThread("head-loop")  # trains or loads the head, then drafts with it
     folder, target, head = await thread.run(load, cfg)

@@ -29,10 +29,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from specmesh_server.flags import at_least
+from proposer_svc.core.training_cli import (
+    ToolCommand,
+    ToolFlag,
+    out_flag,
+    parse_tool,
+    shared_flag,
+    target_flag,
+    tool_config,
+)
 
 log = logging.getLogger(__name__)
-WARMUP = Path(__file__).resolve().parents[1] / "workloads" / "specbench_dev_warmup.jsonl"
+WARMUP = Path(__file__).resolve().parents[2] / "workloads" / "specbench_dev_warmup.jsonl"
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -154,7 +162,7 @@ def agreement(head: Any, out_proj: Any, feats: list[Any], tokens: list[Any], dep
 def train(target_spec: str | None, out: Path, cfg: HeadTrainConfig) -> dict[str, Any]:
     import torch
 
-    from proposer_svc.draft.distill import generate_answers
+    from proposer_svc.core.target_answers import generate_answers
     from proposer_svc.head.proposer import Head, HeadArch, draft_vocabulary, save_head, target_weights
     from specmesh_server.model_loading import load_model, resolve_model_path, tokenizer_hash
 
@@ -258,72 +266,48 @@ def cached_head(target_spec: str | None, minutes: float) -> Path:
     return folder
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="specmesh head", description="Learned draft heads for the head proposer.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def command() -> ToolCommand:
+    """``specmesh head train``'s command line."""
     c = HeadTrainConfig()
-    t = sub.add_parser(
+    flags = (
+        target_flag("--target"),
+        shared_flag("--minutes", c.minutes, "wall-clock budget, generation included"),
+        out_flag("head folder (for `specmesh serve head --head`)"),
+        ToolFlag("--draft-vocab", "draft vocabulary size N", int, c.draft_vocab, minimum=2),
+        ToolFlag("--blocks", "residual MLP blocks", int, c.blocks, minimum=0),
+        shared_flag("--generate-fraction", c.generate_fraction, "share of the budget generating answers"),
+        shared_flag("--batch", c.batch, "positions per step"),
+        ToolFlag("--unroll", "draft depths trained per position", int, c.unroll, minimum=1),
+        shared_flag("--lr", c.lr),
+        shared_flag("--threads", c.threads),
+        ToolFlag("--max-prompts", "use only this many prompts (0 = all)", int, c.max_prompts, minimum=0),
+        ToolFlag(
+            "--skip-per-category",
+            "leave out the first N rows of each category (those `specmesh bench --warmup-limit N` warms up on)",
+            int,
+            c.skip_per_category,
+            minimum=0,
+        ),
+        shared_flag("--seed", c.seed),
+    )
+    return ToolCommand(
+        "specmesh head",
+        "Learned draft heads for the head proposer.",
         "train",
-        help="distil a head from the target (CPU, minutes)",
-        description="Train a head on the target's hidden states and answers (the warm-up half of the dev workload).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "distil a head from the target (CPU, minutes)",
+        "Train a head on the target's hidden states and answers (the warm-up half of the dev workload).",
+        flags,
     )
-    t.add_argument("--target", default=None, help="target: HF folder or .gguf; unset: SmolLM2-135M-Instruct")
-    t.add_argument("--minutes", type=float, default=c.minutes, help="wall-clock budget, generation included")
-    t.add_argument(
-        "--out", required=True, default=argparse.SUPPRESS, help="head folder (for `specmesh serve head --head`)"
-    )
-    t.add_argument("--draft-vocab", type=int, default=c.draft_vocab, help="draft vocabulary size N")
-    t.add_argument("--blocks", type=int, default=c.blocks, help="residual MLP blocks")
-    t.add_argument(
-        "--generate-fraction", type=float, default=c.generate_fraction, help="share of the budget generating answers"
-    )
-    t.add_argument("--batch", type=int, default=c.batch, help="positions per step")
-    t.add_argument("--unroll", type=int, default=c.unroll, help="draft depths trained per position")
-    t.add_argument("--lr", type=float, default=c.lr, help="AdamW learning rate")
-    t.add_argument("--threads", type=int, default=c.threads, help="torch threads")
-    t.add_argument("--max-prompts", type=int, default=c.max_prompts, help="use only this many prompts (0 = all)")
-    t.add_argument(
-        "--skip-per-category",
-        type=int,
-        default=c.skip_per_category,
-        help="leave out the first N rows of each category (those `specmesh bench --warmup-limit N` warms up on)",
-    )
-    t.add_argument("--seed", type=int, default=c.seed, help="data order and initialisation")
-    a = p.parse_args(argv)
-    for flag, value, low in (
-        ("--minutes", a.minutes, 0),
-        ("--draft-vocab", a.draft_vocab, 2),
-        ("--blocks", a.blocks, 0),
-        ("--batch", a.batch, 1),
-        ("--unroll", a.unroll, 1),
-        ("--lr", a.lr, 0),
-        ("--threads", a.threads, 1),
-        ("--max-prompts", a.max_prompts, 0),
-        ("--skip-per-category", a.skip_per_category, 0),
-    ):
-        at_least(t, flag, value, low)
-    if not 0 <= a.generate_fraction < 1:
-        t.error(f"--generate-fraction must be in [0, 1), got {a.generate_fraction}")
-    return a
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parse_tool(command(), argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
-    cfg = HeadTrainConfig(
-        minutes=a.minutes,
-        draft_vocab=a.draft_vocab,
-        blocks=a.blocks,
-        generate_fraction=a.generate_fraction,
-        batch=a.batch,
-        unroll=a.unroll,
-        lr=a.lr,
-        threads=a.threads,
-        max_prompts=a.max_prompts,
-        skip_per_category=a.skip_per_category,
-        seed=a.seed,
-    )
+    cfg = tool_config(HeadTrainConfig, a)
     print(f"specmesh head train: {cfg.minutes:g} min on {cfg.threads} threads, into {a.out}", flush=True)
     r = train(a.target, Path(a.out), cfg)
     agree = ", ".join(f"d{k + 1} {x:.1%}" for k, x in enumerate(r["heldout_top1_agreement_by_depth"]))

@@ -5,14 +5,8 @@ import random
 import pytest
 import torch
 
-from proposer_svc.draft.proposer import (
-    DraftConfig,
-    Drafter,
-    RequestState,
-    gumbel_order,
-    proposal_distribution,
-    sampling_template,
-)
+from proposer_svc.core.tree_search import DraftConfig, gumbel_order, proposal_distribution, sampling_template
+from proposer_svc.draft.proposer import Drafter, RequestState
 from specmesh_server.model_runner import ModelRunner, causal_mask
 from specmesh_server.sampling import filter_logits
 from specmesh_server.tree import TokenTree, depths, validate_tree

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from proposer_svc.draft.proposer import DraftConfig, SearchRow, proposal_distribution
+from proposer_svc.core.tree_search import DraftConfig, SearchRow, proposal_distribution
 from proposer_svc.head.proposer import DraftRow, Head, HeadArch, draft_trees, draft_vocabulary, target_to_draft
 from specmesh_server.tree import TokenTree, depths, validate_tree
 

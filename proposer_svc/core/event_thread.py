@@ -1,0 +1,42 @@
+"""The thread a batching proposer's model state lives on (the draft model, the head): the streams
+only queue events; the thread takes every queued one at once, applies them, and drafts in between."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+from specmesh_server.torch_thread import ThreadLoop, TorchThread
+
+
+class EventThread:
+    """The streams ``submit`` events; the thread (``_run``, a subclass's) takes them in batches
+    (``_events``) and drafts in between. ``thread``: the one that loaded the model, so the process
+    has one OpenMP team (``specmesh_server.torch_thread``); default a new one."""
+
+    def __init__(self, name: str, thread: TorchThread | None = None) -> None:
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = ThreadLoop(self._run, name, thread)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    def submit(self, event: Any) -> None:
+        self._inbox.put(event)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _events(self) -> list[Any] | None:
+        """Blocks for the next event, then takes every queued one; None once stopped."""
+        events = [self._inbox.get()]
+        while not self._inbox.empty():
+            events.append(self._inbox.get())
+        return None if any(e is None for e in events) else events
+
+    def _pending(self) -> bool:
+        return not self._inbox.empty()
