@@ -19,7 +19,7 @@ two could gain over the better fixed one.
 Left out: the proposer's latency, the engine's per-step work outside the forward, and the router
 (each mode is one proposer, its trees not capped by a router's k; the verifier caps only trees
 without path probabilities, i.e. n-gram's here). The gate runs as the
-verifier's does (``SpecState.expected``, ``choose_widths``, the request's ``RequestEstimate`` and
+verifier's does (``RequestSpeculation.expected``, ``choose_widths``, the request's ``RequestEstimate`` and
 ``Trust`` with its shadow-scored skipped trees), its prior the proposer's statistics pooled over the requests
 replayed before (not decayed).
 
@@ -51,7 +51,11 @@ from typing import Protocol
 
 import numpy as np
 
-from proposer_svc.suffix.core import Proposal, SuffixCache, SuffixConfig, SuffixRequest, learn_outcomes, union
+from proposer_svc.suffix.cache import SuffixCache
+from proposer_svc.suffix.calibration import learn_outcomes
+from proposer_svc.suffix.config import SuffixConfig
+from proposer_svc.suffix.request import SuffixRequest
+from proposer_svc.suffix.trees import Proposal, union
 from specmesh_bench.report import geo_mean_of_medians
 from specmesh_bench.workload import BenchPrompt, ChatEncoder, load_prompts, second_turns
 from specmesh_router.cost_model import StepCost, choose_widths
@@ -60,7 +64,7 @@ from specmesh_router.stats import AcceptanceStats
 from specmesh_server.ngram import NgramConfig, NgramIndex
 from specmesh_server.tree import TokenTree, depths, follow, truncate
 from verifier_svc.proposer_client import ProposerLimits
-from verifier_svc.speculation import Shadow, SpecState, ended_by_proposer
+from verifier_svc.request_speculation import RequestSpeculation, Shadow, ended_by_proposer
 
 NODES, DEPTH = 32, 24  # the verifier's default tree budget
 WIDTHS = "1,2,4,8,16,32,64"
@@ -190,7 +194,7 @@ def replay(prop: Replayed, output: list[int], pooled: Pooled, name: str, cost: S
     ``pooled`` gains every step's sample."""
     limits = ProposerLimits(vocab_size=1 << 20, max_nodes=NODES, max_depth=DEPTH)
     prior = posterior(name, pooled.stats, None, 0.5, 2.0, DEPTH, count_ends=False)
-    state = SpecState(estimate=RequestEstimate.from_posterior(prior))
+    state = RequestSpeculation(estimate=RequestEstimate.from_posterior(prior))
     out, pos = Replay(seconds=prefill, tokens=len(output)), 0
     while pos < len(output):
         offered = prop.propose()

@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 from common import cpu_name, workload_rows
 
-from proposer_svc.suffix.core import SuffixCache, SuffixConfig, SuffixRequest
+from proposer_svc.suffix.cache import SuffixCache
+from proposer_svc.suffix.config import SuffixConfig
+from proposer_svc.suffix.request import SuffixRequest
 
 
 def _texts() -> tuple[list[str], list[str]]:

@@ -236,7 +236,7 @@ def check_http_target(target: HttpTarget, modes: list[str], also_grpc: str) -> s
 
 def git_commit() -> str:
     try:
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[1]
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()

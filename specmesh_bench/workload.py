@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "workloads" / "specbench_offline_dev.jsonl"
+DEFAULT_WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "specbench_offline_dev.jsonl"
 WORKLOADS = DEFAULT_WORKLOAD.parent
 # The dev workload split in two (``split_rows``): warm a learning cache on one, measure on the other.
 DEV_WARMUP = WORKLOADS / "specbench_dev_warmup.jsonl"

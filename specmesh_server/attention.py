@@ -170,8 +170,15 @@ def supports(config: object) -> bool:
 
 
 def register() -> str:
-    """Register :func:`attention_forward` with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
+    """Register :func:`attention_forward` with transformers (idempotent), with SDPA's mask builder; returns its name.
+
+    The runner always passes its own 4D mask. A forward that brings none (``generate()``, or a model call
+    over transformers' own cache) gets SDPA's mask: under a name without a mask builder transformers builds
+    none, and SDPA's ``is_causal`` would align a block of new queries with the first cached keys, not the last.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(ATTN_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     return ATTN_NAME

@@ -7,7 +7,8 @@ request's slot is refilled by moving the last one in (one copy of one request's 
 forward over the running batch takes a view of the buffers, never a gather.
 
 The object duck-types the part of transformers' ``Cache`` that decoder layers call
-(``update``), so the stock HF model runs over it. Which positions the new tokens are written to
+(``update(key_states, value_states, layer_idx, kwargs=…)``), so the stock HF model runs over it,
+passed as the model's ``cache=`` argument. Which positions the new tokens are written to
 is set per forward by :meth:`begin_forward`; masking is the caller's 4D attention mask.
 
 The cache can be held to a token budget (``token_budget``: slots × positions allocated, from the

@@ -126,7 +126,7 @@ class ModelRunner:
             input_ids=input_ids,
             attention_mask=attn[:, None],  # [b, 1, n, kv_len]
             position_ids=positions,
-            past_key_values=self.cache,
+            cache=self.cache,  # transformers removes the old name, past_key_values, in 5.40
             use_cache=True,
             **tree,
         )

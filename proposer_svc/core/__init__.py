@@ -1,1 +1,3 @@
-"""What every proposer service runs: the Propose stream framework and the process wiring."""
+"""What the proposers share: the Propose stream framework, the process wiring, the weighted continuation
+trie (suffix, RAG), the batched tree search with its flags and event thread (draft, head), and the
+training data and flags of the training tools."""

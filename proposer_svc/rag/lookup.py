@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from proposer_svc.core.continuation_trie import continuations, heaviest_nodes
+
 SEP = 0xFFFF_FFFF  # document separator in the corpus, sorts after every token
 
 
@@ -126,58 +128,6 @@ def longest_suffix_match(
     return best
 
 
-def gather_continuations(tokens: np.ndarray, starts: np.ndarray, depth: int) -> np.ndarray:
-    """[len(starts), depth] tokens following each start, -1 from the first SEP / corpus end on.
-
-    >>> c = concat_documents([[1, 2, 3], [1, 4]])
-    >>> gather_continuations(c, np.array([1, 5]), 3).tolist()
-    [[2, 3, -1], [4, -1, -1]]
-    """
-    n = len(tokens)
-    pos = starts[:, None].astype(np.int64) + np.arange(depth)  # [m, depth]
-    got = tokens[np.minimum(pos, n - 1)].astype(np.int64)
-    stop = np.logical_or.accumulate((pos >= n) | (got == SEP), axis=1)
-    return np.where(stop, -1, got)
-
-
-def continuation_trie(conts: np.ndarray, max_nodes: int) -> tuple[list[int], list[int]]:
-    """Merge continuations into a trie weighted by how many pass through each node, and return
-    the top ``max_nodes`` nodes as topologically ordered (tokens, parents).
-
-    ``conts`` is [m, depth], -1 padded; rows sharing a prefix must be adjacent (rows taken in
-    suffix-array order are sorted). Nodes are ranked by weight, then depth, then row, so a
-    parent (never lighter than its child, and shallower) always precedes its children and the
-    chosen set is a subtree.
-
-    Continuations ``3 4``, ``3 4 6``, ``3 5``: node ``3`` weighs 3, ``4`` 2, ``5`` and ``6`` 1:
-
-    >>> continuation_trie(np.array([[3, 4, -1], [3, 4, 6], [3, 5, -1]]), max_nodes=4)
-    ([3, 4, 5, 6], [-1, 0, 0, 1])
-    >>> continuation_trie(np.array([[3, 4, -1], [3, 4, 6], [3, 5, -1]]), max_nodes=2)
-    ([3, 4], [-1, 0])
-    """
-    m, depth = conts.shape
-    if m == 0 or depth == 0 or max_nodes <= 0:
-        return [], []
-    valid = conts >= 0  # [m, depth], a prefix of each row
-    differs = np.ones((m, depth), dtype=bool)
-    differs[1:] = conts[1:] != conts[:-1]
-    # A node starts at (row, col) when the row's prefix through col differs from the previous row's.
-    starts = np.logical_or.accumulate(differs, axis=1) & valid  # [m, depth]
-    rows = np.arange(m)[:, None]
-    owner = np.maximum.accumulate(np.where(starts, rows, 0), axis=0)  # [m, depth] row where the node began
-    node_r, node_c = np.nonzero(starts)  # one entry per trie node
-    node_id = np.full((m, depth), -1, dtype=np.int64)
-    node_id[node_r, node_c] = np.arange(node_r.size)
-    cell_node = node_id[owner, np.arange(depth)[None, :]]  # [m, depth] the node each cell belongs to
-    weight = np.bincount(cell_node[valid], minlength=node_r.size)
-    parent = np.where(node_c > 0, cell_node[node_r, np.maximum(node_c - 1, 0)], -1)
-    chosen = np.lexsort((node_r, node_c, -weight))[:max_nodes]
-    out_index = np.full(node_r.size + 1, -1, dtype=np.int64)  # [-1] stays -1 for the root
-    out_index[chosen] = np.arange(chosen.size)
-    return conts[node_r[chosen], node_c[chosen]].tolist(), out_index[parent[chosen]].tolist()
-
-
 @dataclass(frozen=True)
 class CorpusIndex:
     """A corpus (concatenated documents) with its suffix array; immutable, shared by readers."""
@@ -207,8 +157,9 @@ def propose_tree(
     """Tree of the corpus continuations after the longest suffix of ``context`` found in it.
 
     Up to ``max_occurrences`` occurrences, evenly spread over the match range (so frequent
-    continuations keep their share), each give ``max_depth`` tokens; the trie keeps the
-    ``max_nodes`` heaviest nodes.
+    continuations keep their share), each give ``max_depth`` tokens; the trie of those keeps its
+    ``max_nodes`` most frequent nodes (ties: shallower, then first seen; the proposers' shared
+    ``proposer_svc.core.continuation_trie``).
 
     Worked example: documents ``1 2 3 4``, ``1 2 3 5``, ``8 2 3 4 6``; context ``… 9 2 3``: the
     longest suffix found is ``2 3`` (``9 2 3`` is not in the corpus), continued by ``4``, ``5``
@@ -227,7 +178,10 @@ def propose_tree(
     m = min(count, config.max_occurrences)
     picks = lo + (np.arange(m, dtype=np.int64) * count) // m  # [m] ascending, evenly spread
     starts = index.sa[picks].astype(np.int64) + length
-    return continuation_trie(gather_continuations(index.tokens, starts, max_depth), max_nodes)
+    conts = np.empty((m, max_depth), np.uint32)  # [m, max_depth], SEP from the document's end on
+    continuations(index.tokens, starts, max_depth, conts, 0, SEP)
+    top = heaviest_nodes(conts, max_nodes, stop=SEP)
+    return top.tokens.tolist(), top.parents.tolist()
 
 
 class RagRequest:

@@ -36,7 +36,7 @@ from proposer_svc.rag.datastore import (
     default_data_dir,
     tokenize_documents,
 )
-from proposer_svc.rag.lookup import RagConfig, RagRequest
+from proposer_svc.rag.lookup import CorpusIndex, RagConfig, RagRequest, concat_documents, propose_tree
 from specmesh.v1 import proposer_pb2, rag_pb2, rag_pb2_grpc
 from specmesh_server.flags import ServiceFlags, at_least
 from specmesh_server.metrics import ProposerMetrics
@@ -213,8 +213,18 @@ def parse_args(argv: list[str] | None = None) -> RagServerConfig:
     )
 
 
+def warm_up_compiled() -> None:
+    """Compile (or load from numba's cache) the lookup's kernels before the port opens, not on a first request."""
+    index = CorpusIndex.build(concat_documents([[1, 2, 3, 4], [1, 2, 3, 5]]))
+    propose_tree(index, [1, 2, 3], RagConfig(), max_nodes=4, max_depth=2)
+
+
 async def run(cfg: RagServerConfig) -> None:
     from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    await asyncio.to_thread(warm_up_compiled)
+    log.info("rag kernels ready in %.1f s", time.perf_counter() - t0)
 
     from specmesh_server.model_loading import DEFAULT_MODEL, resolve_model_path, tokenizer_hash
 

@@ -1,7 +1,7 @@
 """``specmesh serve suffix``: the suffix proposer (SuffixDecoding), one ``Propose`` stream per request.
 
 Every stream proposes from its own context and from the global cache of its ``cache_scope``
-(``proposer_svc/suffix/core.py``); its accepted tokens enter that cache as they arrive, so running
+(``proposer_svc/suffix/cache.py``); its accepted tokens enter that cache as they arrive, so running
 requests already learn from each other, and its whole output is kept (FIFO, bounded by
 ``--max-cached-tokens``) when the stream ends. ``Learn`` brings in the outputs of the requests
 that another proposer (or none) served, so the cache sees all traffic, not only its own. With
@@ -22,8 +22,12 @@ from prometheus_client import Counter, Gauge
 
 from proposer_svc.core.process import ServingConfig, add_serving_flags, proposer_server, serve_proposer, serving_config
 from proposer_svc.core.stream import Deliver, Opener, ProposeStream, StreamConfig, StreamRefused
-from proposer_svc.suffix.core import MAX_VOCAB, Proposal, SuffixCache, SuffixConfig, SuffixRequest
+from proposer_svc.suffix.cache import SuffixCache
+from proposer_svc.suffix.config import SuffixConfig
+from proposer_svc.suffix.index import MAX_VOCAB
+from proposer_svc.suffix.request import SuffixRequest
 from proposer_svc.suffix.share import OutputSharing, ShareConfig
+from proposer_svc.suffix.trees import Proposal
 from specmesh.v1 import proposer_pb2
 from specmesh_server.flags import ServiceFlags, boolean
 from specmesh_server.metrics import REGISTRY, ProposerMetrics

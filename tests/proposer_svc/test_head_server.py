@@ -109,6 +109,7 @@ def deployment(tmp_path_factory, head_dir, lm) -> Iterator[Deployment]:
             "--proposer", f"recorder={recorder.address}",
             "--spec-gating", "always",
             "--proposer-wait-ms", "200",
+            "--proposer-timeout", "60",  # no fallback asserted: a proposer a loaded machine starves must not time out
             "--metrics-port", str(port),
         )  # fmt: skip
     except BaseException:

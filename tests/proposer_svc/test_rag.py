@@ -4,6 +4,7 @@ continuations merged into a frequency-weighted trie, budget / depth / topologica
 import numpy as np
 import pytest
 
+from proposer_svc.core.continuation_trie import heaviest_nodes
 from proposer_svc.rag.lookup import (
     SEP,
     CorpusIndex,
@@ -11,7 +12,6 @@ from proposer_svc.rag.lookup import (
     RagRequest,
     build_suffix_array,
     concat_documents,
-    continuation_trie,
     longest_suffix_match,
     propose_tree,
 )
@@ -85,6 +85,12 @@ def test_budget_depth_and_topological_order_are_respected():
         assert max(depth) < max_depth
         siblings = {(p, t) for p, t in zip(parents, tokens, strict=True)}
         assert len(siblings) == len(tokens)  # merged: no two children of a node carry the same token
+
+
+def continuation_trie(conts: np.ndarray, max_nodes: int) -> tuple[list[int], list[int]]:
+    """The RAG proposer's tree of -1 padded continuations, as ``propose_tree`` builds it."""
+    top = heaviest_nodes(conts, max_nodes, stop=-1)
+    return top.tokens.tolist(), top.parents.tolist()
 
 
 def test_trie_keeps_the_heaviest_subtree_within_the_node_budget():

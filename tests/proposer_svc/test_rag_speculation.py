@@ -48,7 +48,13 @@ def rag_verifier(tmp_path_factory, lm):
     address, rag = start_rag(tmp_path_factory.mktemp("rag-data"))
     out = cli("ingest", *map(str, sorted(files)), "--corpus", "pydocs", "--target", address)
     assert out.returncode == 0, out.stderr
-    v = start_verifier(tmp_path_factory.mktemp("rag-spec"), "--proposer", f"rag={address}", "--spec-gating", "always")
+    # the test asserts the proposer served every step: a proposer starved by a loaded machine must not time out
+    v = start_verifier(
+        tmp_path_factory.mktemp("rag-spec"),
+        "--proposer", f"rag={address}",
+        "--spec-gating", "always",
+        "--proposer-timeout", "60",
+    )  # fmt: skip
     yield v
     stop_verifier(v)
     stop(rag)

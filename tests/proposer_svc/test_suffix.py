@@ -11,20 +11,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from proposer_svc.suffix.core import (
-    MAX_VOCAB,
-    SEP,
-    Calibration,
-    Proposal,
-    SealedIndex,
-    SuffixCache,
-    SuffixConfig,
-    SuffixRequest,
-    TokenBuffer,
-    best_tree,
-    continuation_tree,
-    union,
-)
+from proposer_svc.suffix.buffer import TokenBuffer
+from proposer_svc.suffix.cache import SuffixCache
+from proposer_svc.suffix.calibration import Calibration
+from proposer_svc.suffix.config import SuffixConfig
+from proposer_svc.suffix.index import MAX_VOCAB, SEP, SealedIndex
+from proposer_svc.suffix.request import SuffixRequest
+from proposer_svc.suffix.trees import Proposal, best_tree, continuation_tree, union
 
 # ---------------------------------------------------------------------------------------------
 # brute force
@@ -248,6 +241,11 @@ def test_token_buffer_short_context_and_separator_bigrams_never_match():
 # continuation_tree
 
 
+def _tree(conts: np.ndarray, max_nodes: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+    t = continuation_tree(conts, max_nodes, min_prob)
+    return t.tokens, t.parents, t.probs
+
+
 def _random_conts(rng, rows: int, depth: int, vocab: int) -> np.ndarray:
     conts = rng.integers(0, vocab, (rows, depth)).astype(np.int32)
     common = rng.integers(0, vocab, depth)
@@ -268,7 +266,7 @@ def test_continuation_tree_equals_brute_force_trie(min_prob):
         rows, depth, vocab = int(rng.integers(1, 65)), int(rng.integers(1, 9)), int(rng.integers(1, 6))
         conts = _random_conts(rng, rows, depth, vocab)
         max_nodes = int(rng.integers(1, 40))
-        tokens, parents, probs = continuation_tree(conts, max_nodes, min_prob)
+        tokens, parents, probs = _tree(conts, max_nodes, min_prob)
         want_tokens, want_parents, want_probs, count = _brute_tree(conts, max_nodes, min_prob)
         assert (tokens, parents) == (want_tokens, want_parents), conts.tolist()
         assert probs == pytest.approx(want_probs, abs=1e-12)
@@ -285,18 +283,18 @@ def test_continuation_tree_equals_brute_force_trie(min_prob):
 
 def test_continuation_tree_ties_go_shallower_first_then_first_seen():
     conts = np.array([[5, 6, 7], [8, 9, SEP]], np.int32)  # every node: 1/2
-    tokens, parents, probs = continuation_tree(conts, max_nodes=4, min_prob=0.0)
+    tokens, parents, probs = _tree(conts, max_nodes=4, min_prob=0.0)
     assert tokens == [5, 8, 6, 9] and parents == [-1, -1, 0, 1] and probs == [0.5] * 4
-    assert continuation_tree(np.empty((0, 3), np.int32), 4, 0.0) == ([], [], [])
-    assert continuation_tree(np.full((3, 2), SEP, np.int32), 4, 0.0) == ([], [], [])
+    assert _tree(np.empty((0, 3), np.int32), 4, 0.0) == ([], [], [])
+    assert _tree(np.full((3, 2), SEP, np.int32), 4, 0.0) == ([], [], [])
 
 
 def test_continuation_tree_keeps_nodes_exactly_at_min_prob_and_drops_those_below():
     conts = np.array([[7, 8], [7, 8], [7, 9], [5, SEP]], np.int32)  # 7: 3/4, 8: 2/4, 9 and 5: 1/4
-    assert continuation_tree(conts, 10, 0.25) == ([7, 8, 5, 9], [-1, 0, -1, 0], [0.75, 0.5, 0.25, 0.25])
-    assert continuation_tree(conts, 10, 0.26) == ([7, 8], [-1, 0], [0.75, 0.5])
-    assert continuation_tree(conts, 10, 0.75) == ([7], [-1], [0.75])
-    assert continuation_tree(conts, 10, 0.76) == ([], [], [])
+    assert _tree(conts, 10, 0.25) == ([7, 8, 5, 9], [-1, 0, -1, 0], [0.75, 0.5, 0.25, 0.25])
+    assert _tree(conts, 10, 0.26) == ([7, 8], [-1, 0], [0.75, 0.5])
+    assert _tree(conts, 10, 0.75) == ([7], [-1], [0.75])
+    assert _tree(conts, 10, 0.76) == ([], [], [])
 
 
 def test_union_of_two_trees_equals_brute_force_max_over_paths_best_first_and_ancestor_closed():
@@ -305,7 +303,7 @@ def test_union_of_two_trees_equals_brute_force_max_over_paths_best_first_and_anc
         trees = []
         for source in ("request", "global"):
             rows, depth = int(rng.integers(1, 20)), int(rng.integers(1, 6))
-            tokens, parents, probs = continuation_tree(_random_conts(rng, rows, depth, 4), 32, 0.0)
+            tokens, parents, probs = _tree(_random_conts(rng, rows, depth, 4), 32, 0.0)
             trees.append(Proposal(tokens, parents, probs, source, 2, sum(probs)))
         max_nodes = int(rng.integers(1, 40))
         got = union(*trees, max_nodes)

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from support import metric
 
-from proposer_svc.suffix.core import MAX_VOCAB
+from proposer_svc.suffix.index import MAX_VOCAB
 from specmesh.deploy import free_port, wait_healthy
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
 

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 from support import start_redis, stop_redis
 
-from proposer_svc.suffix.core import MAX_VOCAB, SuffixCache, SuffixConfig, SuffixRequest
+from proposer_svc.suffix.cache import SuffixCache
+from proposer_svc.suffix.config import SuffixConfig
+from proposer_svc.suffix.index import MAX_VOCAB
+from proposer_svc.suffix.request import SuffixRequest
 from proposer_svc.suffix.share import OutputSharing, ShareConfig, decode, encode
 from specmesh.deploy import free_port
 

@@ -74,3 +74,25 @@ def test_what_a_longer_context_adds_is_measured_where_the_cache_holds_one(tiny_l
     assert long.cache.seq_capacity <= 1024  # a power-of-two allocation, not the model's whole context
     short = ModelRunner(copy.deepcopy(tiny_llama), torch.device("cpu"), torch.float32, 256)
     assert measure_context_cost(short) is None  # no context much longer than the table's: not priced
+
+
+def test_a_model_a_runner_wraps_still_attends_right_over_transformers_own_cache(tiny_llama):
+    """A runner switches its model to this package's attention; a caller of the model itself (generate(),
+    a block of queries over a DynamicCache, without a mask) must get the logits stock SDPA gives, whichever
+    ran first (the test suite's session model is wrapped by some tests and called directly by others)."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(3)
+    context, block = torch.randint(0, 64, (2, 9), generator=gen), torch.randint(0, 64, (2, 4), generator=gen)
+
+    def block_logits(model) -> torch.Tensor:  # [2, 4, vocab]: the block after the cached context
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(context, cache=cache, use_cache=True)
+            return model(block, cache=cache, use_cache=True).logits
+
+    model = copy.deepcopy(tiny_llama)
+    want = block_logits(model)
+    ModelRunner(model, torch.device("cpu"), torch.float32, 256)
+    assert model.config._attn_implementation == "specmesh"
+    torch.testing.assert_close(block_logits(model), want, atol=1e-5, rtol=1e-5)

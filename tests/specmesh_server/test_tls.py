@@ -35,9 +35,9 @@ def pki(tmp_path_factory):
 
 def _start_ngram(tmp: Path, *args: str, tls: TlsOptions | None = None) -> tuple[str, subprocess.Popen]:
     address = f"127.0.0.1:{free_port()}"
-    log = (tmp / f"ngram-{address.rsplit(':', 1)[1]}.log").open("wb")
     cmd = [sys.executable, "-m", "specmesh", "serve", "ngram", "--address", address, *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    with (tmp / f"ngram-{address.rsplit(':', 1)[1]}.log").open("wb") as log:  # the child keeps its own copy
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     wait_healthy(address, 60, proc, tls=tls)
     return address, proc
 

@@ -12,7 +12,9 @@ from prometheus_client import CollectorRegistry
 
 from proposer_svc.core.stream import SERVING_LIMITS, ProposeStream, StreamConfig
 from proposer_svc.ngram.server import ngram_opener
-from proposer_svc.suffix.core import SuffixCache, SuffixConfig, SuffixRequest
+from proposer_svc.suffix.cache import SuffixCache
+from proposer_svc.suffix.config import SuffixConfig
+from proposer_svc.suffix.request import SuffixRequest
 from proposer_svc.suffix.server import SuffixService
 from specmesh.deploy import free_port
 from specmesh.v1 import proposer_pb2_grpc

@@ -278,7 +278,9 @@ def test_suffix_tree_acceptance_on_the_real_logits_emits_the_target_softmax_at_e
     branches at several depths and its nodes are ones the target really accepts."""
     import torch
 
-    from proposer_svc.suffix.core import SuffixCache, SuffixConfig, SuffixRequest
+    from proposer_svc.suffix.cache import SuffixCache
+    from proposer_svc.suffix.config import SuffixConfig
+    from proposer_svc.suffix.request import SuffixRequest
     from specmesh_server.tree import TokenTree, depths
     from verifier_svc.acceptance import children_lists
 
