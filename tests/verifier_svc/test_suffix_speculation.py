@@ -243,7 +243,7 @@ def _logits_after(lm, context: list[int]):
             cache.batch_repeat_interleave(len(todo))
             batch = torch.tensor([paths[i] + [0] * (n - len(paths[i])) for i in todo])
             with torch.inference_mode():
-                logits = lm.model(batch, past_key_values=cache).logits.float()
+                logits = lm.model(batch, cache=cache).logits.float()
             for j, i in enumerate(todo):
                 rows[i] = logits[j, len(paths[i]) - 1]
         return torch.stack(rows)
