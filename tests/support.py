@@ -294,11 +294,11 @@ def seeded_tree_walks(tree, context: list[int], logits, proposer: str, n: int):
     from specmesh_server.tree import depths
     from verifier_svc.acceptance import acceptance_uniforms, sample_accept, walk_shape
     from verifier_svc.batch_accept import accept_batch, target_probs
-    from verifier_svc.requests import GenerationRequest, SpecRequest
+    from verifier_svc.requests import GenerationRequest, SpecParams
 
     depth = max(depths(tree.parents))
-    spec = SpecRequest(proposer, num_speculative_tokens=depth, max_tree_nodes=len(tree), workload_tag="", corpus="")
-    sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec=spec)
+    spec = SpecParams(proposer, num_speculative_tokens=depth, max_tree_nodes=len(tree), workload_tag="", corpus="")
+    sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec_params=spec)
     reqs = [GenerationRequest(str(s), context, seed=s, **sampled) for s in range(64)]
     probs = target_probs(logits, reqs[:1], [len(logits)]).double()  # the same for every seed
     u = acceptance_uniforms(torch.arange(n), torch.full((n,), len(context)), *walk_shape(tree)).numpy()

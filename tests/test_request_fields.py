@@ -14,7 +14,7 @@ import pytest
 from gateway_svc.protocol import CompletionRequest, SpecDecode
 from specmesh.params import SamplingParams, SpecDecodeParams
 from specmesh.v1 import generation_pb2, params_pb2
-from verifier_svc.requests import GenerationRequest, RequestLimits, SpecRequest, build_request
+from verifier_svc.requests import GenerationRequest, RequestLimits, SpecParams, build_request
 
 PAIRS = [(SamplingParams, params_pb2.SamplingParams), (SpecDecodeParams, params_pb2.SpecDecodeParams)]
 # One value per field, none of them the default, each one the verifier accepts.
@@ -82,8 +82,10 @@ def test_every_field_reaches_the_verifiers_validated_request() -> None:
         assert (sorted(got) if isinstance(got, frozenset) else got) == pytest.approx(
             list(want) if f.name == "stop_token_ids" else want
         ), f.name
-    assert {f.name for f in dataclasses.fields(SpecRequest)} == {f.name for f in dataclasses.fields(SpecDecodeParams)}
-    assert {f.name: getattr(req.spec, f.name) for f in dataclasses.fields(SpecRequest)} == dataclasses.asdict(SPEC)
+    assert {f.name for f in dataclasses.fields(SpecParams)} == {f.name for f in dataclasses.fields(SpecDecodeParams)}
+    assert {f.name: getattr(req.spec_params, f.name) for f in dataclasses.fields(SpecParams)} == dataclasses.asdict(
+        SPEC
+    )
     assert {f.name for f in dataclasses.fields(GenerationRequest)} >= {
         f.name for f in dataclasses.fields(SamplingParams)
     }

@@ -24,42 +24,28 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specmesh.v1 import proposer_pb2
-from specmesh_router.cost_model import LiveStepCost
-from specmesh_server import hidden as hidden_states
-from specmesh_server.attention import Packing
 from specmesh_server.model_runner import ModelRunner
 from specmesh_server.torch_thread import ThreadLoop, TorchThread
 from verifier_svc import admission
-from verifier_svc.batch_accept import accept_batch, sample_tokens
 from verifier_svc.detokenizer import StopStringFilter, detokenizer_for
 from verifier_svc.events import EngineFull, EngineStats, EngineStopped, ErrorEvent, Event, NeverFits
-from verifier_svc.logprobs import TokenLogprob, step_logprobs
+from verifier_svc.logprobs import TokenLogprob
+from verifier_svc.model_steps import decode_step, prefill_step
+from verifier_svc.request_speculation import RequestSpeculation
 from verifier_svc.requests import GenerationRequest
 from verifier_svc.sequence import Sequence
-from verifier_svc.speculation import (
-    ProposerSession,
-    SessionFactory,
-    SpecState,
-    SpeculationConfig,
-    SpeculationControl,
-)
-from verifier_svc.step_inputs import decode_inputs, prefill_inputs, unpadded
+from verifier_svc.speculation import SpeculationConfig, SpeculationControl
 
 if TYPE_CHECKING:
-    from specmesh_router.estimate import RequestEstimate
-    from specmesh_router.selection import Router
     from specmesh_server.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
-# (request, its whole output, the proposers it had streams with): called once per finished request
-OutputHook = Callable[[GenerationRequest, list[int], Collection[str]], None]
 
 
 @dataclass(frozen=True)
@@ -84,22 +70,15 @@ class Engine:
         eos_token_ids: set[int],
         max_context: int,
         config: EngineConfig,
-        step_cost: LiveStepCost | None = None,
-        router: Router | None = None,
+        speculation: SpeculationControl | None = None,
         metrics: VerifierMetrics | None = None,
-        open_session: SessionFactory | None = None,
-        trees_arrived: threading.Condition | None = None,
-        learn: OutputHook | None = None,
         thread: TorchThread | None = None,
     ) -> None:
-        """``step_cost``: None verifies every tree, else trees are cut where they do not pay.
-        ``open_session``: opens a proposer stream when the router switches a request's proposer.
-        ``trees_arrived``: the condition proposer sessions notify when a tree lands.
-        ``learn``: told every finished request's output (``learning.OutputLearning.finished``).
+        """``speculation``: the owner of every request's speculation (default: one without a router,
+        so requests speculate only with the state they are submitted with, every tree verified).
         ``thread``: where the engine loop runs: the thread that loaded ``runner``'s model, so the
         process has one OpenMP team (``specmesh_server.torch_thread``); default a new one."""
-        self.runner, self.tokenizer, self.config = runner, tokenizer, config
-        self.metrics, self.learn = metrics, learn
+        self.runner, self.tokenizer, self.config, self.metrics = runner, tokenizer, config, metrics
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
         self.stats = EngineStats()
@@ -112,17 +91,10 @@ class Engine:
         self._lock = threading.Lock()
         self._accepting = True
         self._stop = threading.Event()
-        self.trees_arrived = trees_arrived or threading.Condition()
+        self.speculation = speculation or SpeculationControl(config.speculation)
         # Packed steps need the runner's own attention (models it cannot serve keep padded steps).
-        self.speculation = SpeculationControl(
-            replace(config.speculation, packed_steps=config.speculation.packed_steps and runner.packs),
-            self.stats,
-            self.trees_arrived,
-            step_cost,
-            router,
-            metrics,
-            open_session,
-        )
+        spec_config = self.speculation.config
+        self.speculation.config = replace(spec_config, packed_steps=spec_config.packed_steps and runner.packs)
         self._thread = ThreadLoop(self._loop, "specmesh-engine", thread)
 
     @property
@@ -138,20 +110,12 @@ class Engine:
         self,
         req: GenerationRequest,
         sink: Callable[[Event], None],
-        session: ProposerSession | None = None,
-        k_cap: int | None = None,
-        estimate: RequestEstimate | None = None,
+        speculation: RequestSpeculation | None = None,
     ) -> int:
         """Queue a request; its events go to ``sink`` (called from the engine thread). Returns the
         request's key, unique in this engine: what :meth:`cancel` takes. The client's ``request_id``
-        is only a label (two clients may send the same one).
-
-        ``session``: the request's open proposer stream, or None for plain decoding. ``k_cap``: the
-        router's draft tokens per step, a cap on every tree (None: none). ``estimate``: the request's
-        acceptance per depth, seeded from the proposer's shared statistics
-        (``Router.estimate``): where the router says speculation does not pay, it starts low and the
-        cost gate decodes plainly until the trees the request skips prove it wrong.
-        """
+        is only a label (two clients may send the same one). ``speculation``: the request's
+        speculation as ``SpeculationControl.start`` opened it (None: plain decoding)."""
         need = min(len(req.prompt_ids) + req.max_tokens, self.max_context) + self.config.step_room
         budget = self.config.kv_budget_tokens
         if budget is not None and need > budget:
@@ -176,7 +140,7 @@ class Engine:
             detok=detokenizer_for(self.tokenizer, req.prompt_ids),
             stopper=StopStringFilter(list(req.stop)),
             arrival=time.perf_counter(),
-            spec=SpecState.start(session, k_cap, estimate),
+            speculation=speculation or RequestSpeculation.start(),
         )
         self._inbox.put(("submit", seq))
         return key
@@ -331,127 +295,43 @@ class Engine:
             s.uncached(admission.chunk_tokens(self.config.prefill_chunk_tokens, s.length, self.runner.keys_per_token))
             for s in joining
         ]
-        dev = self.runner.device
-        step = prefill_inputs(chunks, [s.length for s in joining], dev)
-        rows = slice(joining[0].slot, joining[-1].slot + 1)
-        t0 = time.perf_counter()
-        hidden = self.runner.forward(rows, step.input_ids, step.positions, step.mask)  # [b, n, h]
-        for seq, chunk in zip(joining, chunks, strict=True):
-            seq.length += len(chunk)
-        # Prompts now cached in full get their first token; a preempted request's is its pending one.
-        finished = [i for i, s in enumerate(joining) if s.length == s.cache_target and not s.output]
-        elapsed = time.perf_counter() - t0
+        step = prefill_step(self.runner, joining, chunks)
         if self.metrics is not None:
-            self.metrics.step("prefill", elapsed, int(step.input_ids.numel()), len(joining))
-        if not finished:
-            return
-        last = torch.tensor([len(chunks[i]) - 1 for i in finished], device=dev)
-        logits = self.runner.logits(hidden[torch.tensor(finished, device=dev), last])  # [f, vocab]
-        done = [joining[i] for i in finished]
-        # The state that predicted each first token: the prompt's last, for proposers that take states.
-        n = hidden.shape[1]
-        states = self._states(hidden, done, lambda j: [finished[j] * n + len(chunks[finished[j]]) - 1])
-        tokens = sample_tokens([s.req for s in done], [s.context_length for s in done], logits)
-        logprobs = step_logprobs([s.req for s in done], logits, lambda j: ([j], [tokens[j]]))
-        for seq, tok, lp, state in zip(done, tokens, logprobs, states, strict=True):
-            seq.verify_s += elapsed
-            seq.first_token = seq.spec.last_tree = time.perf_counter()
+            self.metrics.step("prefill", step.seconds, step.tokens_in, len(joining))
+        done = [joining[i] for i in step.finished]
+        states = self.speculation.hidden_states(step.hidden, done, lambda j: [step.state_rows[j]])
+        for seq, tok, lp, state in zip(done, step.first_tokens, step.logprobs, states, strict=True):
+            seq.verify_s += step.seconds
+            seq.first_token = time.perf_counter()
             if self.metrics is not None:
                 self.metrics.first_token(seq.first_token - seq.arrival)
             self.stats.prompt_tokens += len(seq.req.prompt_ids)
             self._append(seq, [tok], lp)
-            if seq.spec.session is not None and not seq.done:
-                seq.spec.session.advance([tok], state)  # the proposer's context must include the first token
+            self.speculation.emitted(seq, [tok], state, first=True)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """One batched forward over prefilled requests in contiguous slots: each one's pending token
         plus the token tree its proposer sent, if any; then lossless acceptance per request."""
         self._reserve()
         trees = self.speculation.collect_trees(seqs, self.max_context)
-        dev = self.runner.device
-        step = decode_inputs([s.pending for s in seqs], [s.length for s in seqs], trees, dev)
-        width = step.input_ids.shape[1]
-        counts = [len(t) + 1 for t in trees]
-        real = unpadded(counts, dev)  # (row, column) of each real token: [sum(n_i + 1)] each
-        # Packed: the forward holds the real tokens only, so a row pays for its own tree, not the widest
-        # (8 rows, one 16-node tree: 169 → 113 ms here). Where padding is under a tenth, the scatter
-        # and gather cost more than it saves (8 rows × 5 tokens: 90 vs 94 ms), so those steps stay padded.
-        packed = self.packed and sum(counts) < 0.9 * len(seqs) * width
-        packing = Packing(*real, len(seqs), width) if packed else None
-        computed = sum(counts) if packing is not None else len(seqs) * width  # tokens the forward computes
-        meta = None
-        if self.runner.tree_kernel:  # the kernel's form of the mask, from the trees: no device read
-            from specmesh_kernels.tree_attention import MAX_TREE_ROWS, tree_meta_from_trees
-
-            if width <= MAX_TREE_ROWS:
-                meta = tree_meta_from_trees([t.parents for t in trees], [s.length for s in seqs], width, dev)
-        t0 = time.perf_counter()
-        rows = slice(seqs[0].slot, seqs[-1].slot + 1)
-        hidden = self.runner.forward(
-            rows, step.input_ids, step.positions, step.mask, step.write_pos, packing, tree_meta=meta
-        )
-        hidden = hidden[0] if packing is not None else hidden[real]  # [sum(n_i + 1), h]
-        logits = self.runner.logits(hidden)  # [sum(n_i + 1), vocab]
-        results = accept_batch(
-            [s.req for s in seqs],
-            [s.context_length for s in seqs],
-            trees,
-            logits,
-            counts,
-            device_accept=self.config.device_accept,
-        )
-        starts = [0, *itertools.accumulate(counts)]  # request i's first row
-
-        def drawn(i: int) -> tuple[list[int], list[int]]:
-            """Emitted token j of request i was drawn at its parent's row: the root (the pending token's
-            row) for the first, accepted node path[j - 1] for the rest; the bonus after the last."""
-            (path, bonus), start = results[i], starts[i]
-            return [start, *(start + 1 + k for k in path)], [*(trees[i].tokens[k] for k in path), bonus]
-
-        logprobs = step_logprobs([s.req for s in seqs], logits, drawn)
-        elapsed = time.perf_counter() - t0
-        if self.speculation.step_cost is not None:  # the cost model follows what steps really take here
-            self.speculation.step_cost.observe(len(seqs), computed / len(seqs), elapsed, width, step.mask.shape[-1])
+        step = decode_step(self.runner, seqs, trees, self.packed, self.config.device_accept)
+        self.speculation.observe_step(len(seqs), step.computed / len(seqs), step.seconds, step.width, step.keys)
         self.stats.steps += 1
         if self.metrics is not None:
-            self.metrics.step("decode", elapsed, computed, len(seqs))
-        emitted = self.speculation.after_step(seqs, trees, results, elapsed)
-        # Emitted token j was predicted at its parent's row (as in ``drawn``): the pending token's
-        # state for the first, accepted node path[j - 1]'s for the rest.
-        states = self._states(hidden, seqs, lambda i: [starts[i], *(starts[i] + 1 + k for k in results[i][0])])
-        for seq, (path, _), tokens, lp, state in zip(seqs, results, emitted, logprobs, states, strict=True):
+            self.metrics.step("decode", step.seconds, step.computed, len(seqs))
+        emitted = self.speculation.after_step(seqs, trees, step.results, step.seconds)
+        states = self.speculation.hidden_states(step.hidden, seqs, step.state_rows)
+        for seq, (path, _), tokens, lp, state in zip(seqs, step.results, emitted, step.logprobs, states, strict=True):
             base = seq.length + 1  # cache slot of tree node 0
             if path != list(range(len(path))):  # keep only the accepted nodes' KV, in path order
-                self.runner.cache.gather_positions(seq.slot, torch.tensor(path, device=dev) + base, base)
+                self.runner.cache.gather_positions(seq.slot, torch.tensor(path, device=self.runner.device) + base, base)
             seq.length = base + len(path)
             seq.steps += 1
-            seq.verify_s += elapsed
+            seq.verify_s += step.seconds
             before = len(seq.output)
             self._append(seq, tokens, lp)
-            if seq.spec.session is not None and not seq.done:
-                seq.spec.session.advance(seq.output[before:], state)
+            self.speculation.emitted(seq, seq.output[before:], state)
         self.speculation.redecide_due(seqs)
-
-    def _states(
-        self, hidden: torch.Tensor, seqs: list[Sequence], rows: Callable[[int], list[int]]
-    ) -> list[proposer_pb2.HiddenStates | None]:
-        """Per request i, rows ``rows(i)`` of the step's real tokens' hidden states [sum(n_i + 1), h],
-        encoded for its proposer where it asked for them (else None): one gather and one host copy
-        for the whole batch."""
-        dtypes = [s.spec.session.hidden_dtype if s.spec.session is not None else None for s in seqs]
-        takers = [i for i, d in enumerate(dtypes) if d is not None]
-        out: list[proposer_pb2.HiddenStates | None] = [None] * len(seqs)
-        if not takers:
-            return out
-        wire = {hidden_states.TORCH_DTYPES[dtypes[i]] for i in takers}
-        wire_dtype = wire.pop() if len(wire) == 1 else torch.float32
-        host = hidden_states.gather_rows(hidden, [rows(i) for i in takers], wire_dtype)
-        if self.metrics is not None:
-            self.metrics.hidden_copies.inc()
-            self.metrics.hidden_rows.inc(sum(len(h) for h in host))
-        for i, states in zip(takers, host, strict=True):
-            out[i] = hidden_states.encode(states, dtypes[i])
-        return out
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Add accepted tokens, stream them, and finish the request when a limit is hit."""
@@ -467,7 +347,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         now = time.perf_counter()
-        self.speculation.end_session(seq)  # the request is done: End the stream now
+        self.speculation.finish(seq)  # the request is done: End the stream now, its proposers learn it
         if self.metrics is not None:
             self.metrics.request_finished(
                 "ok", len(seq.req.prompt_ids), generation_tokens=len(seq.output), e2e_s=now - seq.arrival
@@ -475,8 +355,6 @@ class Engine:
         seq.sink(seq.finish_event(reason, now))
         seq.done = True
         self.stats.finished += 1
-        if self.learn is not None:  # the proposers it had streams with learnt its output from them
-            self.learn(seq.req, seq.output, seq.spec.counters.per_proposer.keys())
 
     def _finish_error(self, seq: Sequence, message: str) -> None:
         if not seq.done:
@@ -486,7 +364,7 @@ class Engine:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.speculation.end_session(seq)
+        self.speculation.release(seq)
         self._by_key.pop(seq.key, None)
         with self._lock:
             self._admitted -= 1

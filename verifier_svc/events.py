@@ -69,7 +69,7 @@ class FinishEvent:
     ttft_ms: float
     total_ms: float
     stop_string: str = ""
-    spec: SpecCounters = field(default_factory=SpecCounters)
+    speculation: SpecCounters = field(default_factory=SpecCounters)
 
 
 @dataclass
@@ -89,7 +89,3 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    invalid_trees: int = 0
-    proposer_fallbacks: int = 0

@@ -64,7 +64,7 @@ class OutputLearning:
             return
         msg = proposer_pb2.LearnRequest(
             request_id=req.request_id,
-            cache_scope=req.spec.cache_scope,
+            cache_scope=req.spec_params.cache_scope,
             prompt_token_ids=req.prompt_ids,
             output_token_ids=output,
             target_model=self.model_name,

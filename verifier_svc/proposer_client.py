@@ -23,7 +23,7 @@ from specmesh_server.log_limit import RateLimitedLog
 from specmesh_server.tree import InvalidTree, TokenTree, rebase, validate_tree
 
 if TYPE_CHECKING:
-    from verifier_svc.speculation import ProposerSession
+    from verifier_svc.request_speculation import ProposerSession
 
 log = logging.getLogger(__name__)
 warn = RateLimitedLog(log)  # invalid trees and failures repeat per step / per request: one line per 10 s

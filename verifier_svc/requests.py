@@ -37,7 +37,7 @@ class ProposerNotConfigured(ValueError):
 
 
 @dataclass(frozen=True)
-class SpecRequest:
+class SpecParams:
     proposer: str  # "auto" | "none" | a proposer name
     num_speculative_tokens: int  # 0 = router decides
     max_tree_nodes: int  # 0 = server default
@@ -62,7 +62,7 @@ class GenerationRequest:
     max_tokens: int
     stop: tuple[str, ...]
     ignore_eos: bool
-    spec: SpecRequest
+    spec_params: SpecParams  # the client's speculation parameters
     logprobs: int | None = None  # None: none; N: each token's logprob and its N most likely alternatives
     stop_token_ids: frozenset[int] = frozenset()
 
@@ -149,7 +149,7 @@ def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: R
         max_tokens=int(max_tokens),
         stop=tuple(s.stop),
         ignore_eos=s.ignore_eos,
-        spec=_spec(msg, limits),
+        spec_params=_spec_params(msg, limits),
         logprobs=logprobs,
         stop_token_ids=frozenset(s.stop_token_ids),
     )
@@ -203,7 +203,7 @@ def _check_size(field: str, n_bytes: int, limits: RequestLimits) -> None:
         )
 
 
-def _spec(msg: generation_pb2.GenerateRequest, limits: RequestLimits) -> SpecRequest:
+def _spec_params(msg: generation_pb2.GenerateRequest, limits: RequestLimits) -> SpecParams:
     p = msg.spec_decode
     name = (p.proposer or "auto").lower()
     known = ("auto", "none", *BUILTIN_PROPOSERS, *limits.configured_proposers)
@@ -234,4 +234,4 @@ def _spec(msg: generation_pb2.GenerateRequest, limits: RequestLimits) -> SpecReq
         raise InvalidRequest(
             "spec_decode.cache_scope", f"must be printable and at most {MAX_SCOPE_CHARS} characters (a cache partition)"
         )
-    return SpecRequest(name, p.num_speculative_tokens, p.max_tree_nodes, p.workload_tag, p.corpus, p.cache_scope)
+    return SpecParams(name, p.num_speculative_tokens, p.max_tree_nodes, p.workload_tag, p.corpus, p.cache_scope)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from verifier_svc.detokenizer import Detokenizer, StopStringFilter
 from verifier_svc.events import Event, FinishEvent, TokenEvent
 from verifier_svc.logprobs import TokenLogprob
+from verifier_svc.request_speculation import RequestSpeculation
 from verifier_svc.requests import GenerationRequest
-from verifier_svc.speculation import SpecState
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Sequence:
     prefill_start: float = 0.0
     first_token: float = 0.0
     last_chunk: float | None = None  # perf_counter of its last streamed tokens (the inter-token metric)
-    spec: SpecState = field(default_factory=SpecState)
+    speculation: RequestSpeculation = field(default_factory=RequestSpeculation)  # owned by SpeculationControl
 
     @property
     def context_length(self) -> int:
@@ -91,5 +91,5 @@ class Sequence:
             ttft_ms=(self.first_token - self.arrival) * 1e3,
             total_ms=(now - self.arrival) * 1e3,
             stop_string=self.stopper.matched or "",
-            spec=self.spec.counters,
+            speculation=self.speculation.counters,
         )

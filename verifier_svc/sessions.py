@@ -1,6 +1,7 @@
 """Opening one request's proposer: a gRPC ``Propose`` stream to a proposer tier, or the in-process
-n-gram proposer. The engine gets :meth:`SessionOpener.open` at construction (a
-``speculation.SessionFactory``) for mid-request switches; the gRPC front opens the first one."""
+n-gram proposer. :meth:`SessionOpener.open` is the speculation control's
+``request_speculation.SessionFactory``: it opens each request's first stream and those of its
+mid-request switches."""
 
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ class SessionOpener:
         if proposer not in self.tiers:
             return None
         policy = self.policy.get()
-        nodes = req.spec.max_tree_nodes or policy.max_tree_nodes or DEFAULT_TREE_NODES
-        depth = req.spec.num_speculative_tokens or policy.num_speculative_tokens or DEFAULT_TREE_DEPTH
+        nodes = req.spec_params.max_tree_nodes or policy.max_tree_nodes or DEFAULT_TREE_NODES
+        depth = req.spec_params.num_speculative_tokens or policy.num_speculative_tokens or DEFAULT_TREE_DEPTH
         if policy.num_speculative_tokens:
             depth = min(depth, policy.num_speculative_tokens)
         nodes = min(nodes, self.max_tree_nodes)
@@ -72,9 +73,9 @@ class SessionOpener:
             ),
             vocab=self.vocab,
             target_model=self.model_name,
-            workload_tag=req.spec.workload_tag,
-            corpus=req.spec.corpus,
-            cache_scope=req.spec.cache_scope,
+            workload_tag=req.spec_params.workload_tag,
+            corpus=req.spec_params.corpus,
+            cache_scope=req.spec_params.cache_scope,
         )
         stub = self.tiers.stubs[proposer]
         session = GrpcProposerSession(

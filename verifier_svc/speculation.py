@@ -1,12 +1,16 @@
-"""Per-request speculation control: which tree each running request verifies this step.
+"""Speculation control: the one owner of every speculation decision of every request.
 
-The engine asks once per decode step (:meth:`SpeculationControl.collect_trees`) and reports what
-each step accepted (:meth:`SpeculationControl.after_step`). In between, per request:
+The gRPC front asks it once per request (:meth:`SpeculationControl.start`: the router's first
+choice, the proposer stream, its first estimate), then only submits; the engine asks it once per
+decode step which tree each running request verifies (:meth:`~SpeculationControl.collect_trees`),
+tells it what each step emitted (:meth:`~SpeculationControl.after_step`,
+:meth:`~SpeculationControl.emitted`) and when a request ends (:meth:`~SpeculationControl.finish`),
+and never reads into a request's state (``request_speculation.RequestSpeculation``). In between,
+per request:
 
-- the proposer stream (a :class:`ProposerSession`: a gRPC stream or an in-process proposer);
-- its acceptance estimate per depth (``specmesh_router.estimate.RequestEstimate``), seeded by the
-  router's shared statistics and fed by every verified tree and by every skipped tree scored
-  against the tokens emitted after it;
+- the proposer stream (a ``ProposerSession``: a gRPC stream or an in-process proposer);
+- its acceptance estimate per depth, seeded by the router's shared statistics and fed by every
+  verified tree and by every skipped tree scored against the tokens emitted after it;
 - the cost gate: trees are cut to the batch's best width by the measured step cost (maybe to
   nothing: plain decoding this step), from that estimate, or, for trees that carry the proposer's
   path probabilities, from those probabilities scaled by how well they have held for this request
@@ -17,20 +21,27 @@ each step accepted (:meth:`SpeculationControl.after_step`). In between, per requ
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
 
 from specmesh.v1 import proposer_pb2
 from specmesh_router.cost_model import CostFn, LiveStepCost, choose_widths
-from specmesh_router.estimate import RequestEstimate, expected_accepted, levels_sample
+from specmesh_router.estimate import expected_accepted
 from specmesh_router.stats import AcceptanceStats
-from specmesh_server.tree import TokenTree, depths, follow, truncate
-from verifier_svc.events import EngineStats, ProposerCounts, SpecCounters
-from verifier_svc.proposer_client import ProposerLimits, wait_for_trees
+from specmesh_server import hidden as hidden_states
+from specmesh_server.tree import TokenTree, truncate
+from verifier_svc.events import ProposerCounts
+from verifier_svc.proposer_client import GrpcProposerSession, wait_for_trees
+from verifier_svc.request_speculation import RequestSpeculation, SessionFactory, Shadow, ended_by_proposer
 from verifier_svc.requests import GenerationRequest
 
 if TYPE_CHECKING:
@@ -40,204 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 EMPTY_TREE = TokenTree([], [])
-
-
-class ProposerSession(Protocol):
-    """One request's proposer, as the engine thread sees it: trees in, accepted tokens out.
-
-    Implemented by the gRPC stream (``proposer_client.GrpcProposerSession``) and the in-process
-    n-gram proposer (``local_proposer.LocalProposerSession``).
-    """
-
-    name: str
-    limits: ProposerLimits
-    failed: str | None  # why the stream failed; None while it works
-    invalid_trees: int
-    last_response: float  # perf_counter of its last answer (liveness)
-    # The dtype the proposer asked its hidden states in (``HiddenStateRequest``); None: it takes none.
-    hidden_dtype: int | None
-    # The tree as the proposer sent it that the last ``take`` served (before any re-rooting).
-    sent: TokenTree | None
-
-    def take(self, context_length: int, recent: list[int] | None = None) -> TokenTree | None: ...
-
-    def has_tree_for(self, context_length: int) -> bool: ...
-
-    def advance(self, tokens: list[int], hidden: proposer_pb2.HiddenStates | None = None) -> None: ...
-
-    def fail(self, reason: str) -> None: ...
-
-    def close(self) -> None: ...
-
-
-# (request, proposer name, context) → a new stream, or None where that proposer is not configured.
-SessionFactory = Callable[[GenerationRequest, str, list[int]], ProposerSession | None]
-
-
-@dataclass
-class Shadow:
-    """A tree the gate skipped, walked along the tokens emitted after it."""
-
-    tree: TokenTree
-    complete: bool = False  # the tree as the proposer ended it (see ``ended_by_proposer``)
-    node: int = 0  # the walk's current node (-1: the root)
-    matched: int = 0  # levels matched so far
-
-
-MAX_TRUST = 1.5  # an underconfident proposer's probabilities are raised at most this much
-
-
-@dataclass
-class Trust:
-    """How far a proposer's path probabilities hold for one request: (accepted + 1) / (predicted + 1)
-    over its recent trees (each sum decays by ``keep`` per tree), at most ``MAX_TRUST``. An honest,
-    calibrated proposer stays near 1; one that claims certainty and misses drops within a tree or
-    two, and the gate then cuts its trees as its record says.
-
-    >>> t = Trust()
-    >>> t.value
-    1.0
-    >>> t.observe([1.0] * 8, 0); round(t.value, 2)  # claimed 8 accepted tokens, got none
-    0.11
-    """
-
-    accepted: float = 0.0
-    predicted: float = 0.0
-    keep: float = 0.8
-
-    def observe(self, probs: list[float], accepted: int) -> None:
-        """A verified (or skipped and walked) tree: its nodes' path probabilities, the levels taken."""
-        self.accepted = self.accepted * self.keep + accepted
-        self.predicted = self.predicted * self.keep + sum(probs)
-
-    @property
-    def value(self) -> float:
-        return min(MAX_TRUST, (self.accepted + 1.0) / (self.predicted + 1.0))
-
-
-@dataclass
-class SpecState:
-    """One request's speculation: its proposer stream, counters and acceptance estimate."""
-
-    session: ProposerSession | None = None
-    counters: SpecCounters = field(default_factory=SpecCounters)
-    last_tree: float = 0.0  # perf_counter of the last tree taken (liveness)
-    estimate: RequestEstimate = field(default_factory=lambda: RequestEstimate((0.5,)))
-    trust: Trust = field(default_factory=Trust)  # for trees with path probabilities
-    shadow: Shadow | None = None
-    k_cap: int | None = None  # the router's draft tokens per step; None: no cap
-    failed_proposers: set[str] = field(default_factory=set)
-    # This step's tree as the proposer sent it, where the proposer ended it within the verifier's
-    # budget (empty: it had none); None: no tree, or one the budget may have cut.
-    offered: TokenTree | None = None
-    # This step's tree carried path probabilities and the gate cut all of it: to the router (and
-    # the request's estimate), a step the proposer had nothing worth verifying for.
-    gated_out: bool = False
-    # This step the proposer had a tree for the request (verified, or cut by the gate).
-    had_tree: bool = False
-
-    @classmethod
-    def start(cls, session: ProposerSession | None, k_cap: int | None, estimate: RequestEstimate | None) -> SpecState:
-        """``estimate``: seeded from the proposer's shared statistics (None: α = 0.5 at every depth).
-        Where the router says speculation does not pay, it starts low and the cost gate decodes
-        plainly until the trees the request skips prove it wrong."""
-        state = cls(session=session, counters=SpecCounters(proposer=session.name if session else "none"), k_cap=k_cap)
-        if session is not None:
-            state.counters.per_proposer[session.name] = ProposerCounts()
-        if estimate is not None:
-            state.estimate = estimate
-        return state
-
-    def observe(self, accepted: int, rejected: bool, ended: bool, tree: TokenTree | None = None) -> None:
-        """A verified tree: ``accepted`` levels taken; ``rejected``: the walk stopped at a node that
-        had children (a miss), not at a leaf (censored, or an end where the proposer ``ended``)."""
-        self.estimate.observe(levels_sample(0, accepted, rejected, ended))
-        if tree is not None and tree.probs:
-            self.trust.observe(tree.probs, accepted)
-
-    def expected(self, tree: TokenTree) -> list[float]:
-        """The gate's expected accepted tokens for each width of ``tree`` (``expected_by_width``): the
-        request's α's price a chain-model tree, its Trust one with path probabilities (no α read)."""
-        if tree.probs:
-            return expected_by_width((), tree.parents, tree.probs, self.trust.value)
-        return expected_by_width(self.estimate.alphas(max(depths(tree.parents), default=1)), tree.parents)
-
-    def complete(self, tree: TokenTree) -> bool:
-        """Whether ``tree`` (verified or skipped this step) is the proposer's whole tree."""
-        return self.offered is not None and len(self.offered) == len(tree)
-
-    def follow_shadow(self, emitted: list[int]) -> AcceptanceStats | None:
-        """Walk the skipped tree along the emitted tokens. Each step's matched levels update the
-        estimate at once, at the depths they reached (censored while the walk goes on), so a request
-        whose skipped trees keep guessing right turns speculation on within a few steps; once
-        decided, the whole tree is returned as one sample for the router's statistics.
-
-        A tree with path probabilities feeds its request's ``Trust`` only: the gate prices such
-        trees by their probabilities, not by α, and the router counts the step as one without a
-        tree worth verifying (``gated_out``), which is what the proposer's steps cost under the gate."""
-        shadow = self.shadow
-        assert shadow is not None
-        node, levels, rejected = follow(shadow.tree, shadow.node, emitted)
-        ended = shadow.complete and rejected is False
-        priced = bool(shadow.tree.probs)
-        if not priced:
-            self.estimate.observe(levels_sample(shadow.matched, levels, bool(rejected), ended))
-        if rejected is None:
-            shadow.node, shadow.matched = node, shadow.matched + levels
-            return None
-        self.shadow = None
-        if priced:
-            self.trust.observe(shadow.tree.probs, shadow.matched + levels)
-            return None
-        return AcceptanceStats.of_step(len(shadow.tree), shadow.matched + levels, rejected, ended=ended)
-
-
-def ended_by_proposer(tree: TokenTree, limits: ProposerLimits) -> bool:
-    """Whether the proposer ended ``tree`` itself: fewer nodes and levels than the verifier's budget
-    allowed, so its leaves are where it had nothing more (not where the budget stopped it).
-
-    >>> limits = ProposerLimits(vocab_size=100, max_nodes=4, max_depth=3)
-    >>> ended_by_proposer(TokenTree([5, 6], [-1, 0]), limits), ended_by_proposer(TokenTree([], []), limits)
-    (True, True)
-    >>> ended_by_proposer(TokenTree([5, 6, 7], [-1, 0, 1]), limits)    # as deep as allowed
-    False
-    """
-    return len(tree) < limits.max_nodes and max(depths(tree.parents), default=0) < limits.max_depth
-
-
-def expected_by_width(
-    alphas: Sequence[float], parents: list[int], probs: list[float] | None = None, trust: float = 1.0
-) -> list[float]:
-    """Expected accepted tokens when a tree is cut to its first w - 1 nodes, for each w
-    (``alphas[d - 1]`` = α_d, the request's acceptance at depth d; deeper, the last one repeats).
-
-    Without ``probs``: the chain model Σ_{d=1..r} Π_{j≤d} α_j for the depth r the cut tree reaches
-    (siblings add nothing). With the proposer's path probabilities p_i (the probability that node
-    i's whole path is accepted): E(w) = Σ_{i<w} min(1, trust · p_i), the expected number of
-    accepted nodes, ``trust`` being how far this request's trees have borne them out (``Trust``).
-    The α's do not enter: they average confident and hopeless trees alike, where the proposer
-    knows which is which (a long match against a one-token guess).
-
-    >>> [round(e, 2) for e in expected_by_width([0.5], [-1, 0, -1])]  # a chain of 2 and a sibling
-    [0.0, 0.5, 0.75, 0.75]
-    >>> [round(e, 2) for e in expected_by_width([0.8, 0.5], [-1, 0, -1], [0.75, 0.5, 0.25])]
-    [0.0, 0.75, 1.25, 1.5]
-    >>> [round(e, 2) for e in expected_by_width([0.8, 0.5], [-1, 0, -1], [0.75, 0.5, 0.25], trust=0.5)]
-    [0.0, 0.38, 0.62, 0.75]
-    """
-    if probs is not None:
-        out = [0.0]
-        for p in probs:
-            out.append(out[-1] + min(1.0, trust * p))
-        return out
-    d = depths(parents)
-    reach = max(d, default=0)
-    chain = expected_accepted([*alphas[:reach], *[alphas[-1]] * (reach - len(alphas))])
-    out, r = [0.0], 0
-    for di in d:
-        r = max(r, di)
-        out.append(chain[r])
-    return out
+# (request, its whole output, the proposers it had streams with): called once per finished request
+OutputHook = Callable[[GenerationRequest, list[int], Collection[str]], None]
 
 
 @dataclass(frozen=True)
@@ -249,76 +64,130 @@ class SpeculationConfig:
     packed_steps: bool = True  # steps hold real tokens only (each row pays for its own tree): the gate sizes rows apart
 
 
+class ProposerRefused(Exception):
+    """The proposer the client named refused the request itself (a bad corpus, a foreign tokenizer)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class SpeculationControl:
-    """The engine thread's per-step speculation decisions for every running request."""
+    """Every request's speculation, from its first decision to its last session advance.
+
+    ``router``: picks the proposer and k (None: requests run plain unless given a state).
+    ``step_cost``: None verifies every tree, else trees are cut where they do not pay.
+    ``open_session``: opens a proposer stream (the first one and those of mid-request switches).
+    ``trees_arrived``: the condition proposer sessions notify when a tree lands.
+    ``learn``: told every finished request's output (``learning.OutputLearning.finished``).
+    """
 
     def __init__(
         self,
         config: SpeculationConfig,
-        stats: EngineStats,
-        trees_arrived: threading.Condition,
-        step_cost: LiveStepCost | None = None,
         router: Router | None = None,
+        step_cost: LiveStepCost | None = None,
         metrics: VerifierMetrics | None = None,
         open_session: SessionFactory | None = None,
+        trees_arrived: threading.Condition | None = None,
+        learn: OutputHook | None = None,
     ) -> None:
-        self.config, self.stats, self.trees_arrived = config, stats, trees_arrived
-        self.step_cost = step_cost  # None: verify every tree; else speculate only where it pays
-        self.router, self.metrics, self.open_session = router, metrics, open_session
+        self.config, self.router, self.step_cost = config, router, step_cost
+        self.metrics, self.open_session, self.learn = metrics, open_session, learn
+        self.trees_arrived = trees_arrived or threading.Condition()
         self.last_wait = 0.0  # seconds this step waited for trees
 
-    # --- before the forward -----------------------------------------------------------------
+    # --- the gRPC front, on the event loop ------------------------------------------------------
+    async def start(self, req: GenerationRequest, batch: int) -> RequestSpeculation:
+        """The router's first decision for ``req`` in a batch of ``batch`` rows and its proposer
+        stream. Where the client named the proposer, waits up to 0.5 s for its first reply (one
+        round trip, ~1 ms) so that a refusal reaches the client: :class:`ProposerRefused`."""
+        params = req.spec_params
+        if self.router is None:
+            return RequestSpeculation.start()
+        d = self.router.decide(
+            params.proposer, params.workload_tag, params.num_speculative_tokens, batch, exclude=params.unservable
+        )
+        if self.metrics is not None:
+            self.metrics.decision(d.proposer, d.speculate)
+        # Why this request runs without speculation, unless the client asked for exactly that.
+        why_plain = d.reason if d.proposer == "none" and params.proposer != "none" else ""
+        session = self.open_session(req, d.proposer, list(req.prompt_ids)) if self.open_session else None
+        if isinstance(session, GrpcProposerSession) and params.proposer == d.proposer:  # named by the client
+            try:
+                with contextlib.suppress(TimeoutError):  # slow → no wait
+                    await asyncio.wait_for(asyncio.shield(session.first_reply), timeout=0.5)
+            except asyncio.CancelledError:  # the client left while we waited: its stream must not outlive it
+                session.close()
+                raise
+            if session.refused is not None:
+                code, details = session.refused
+                session.close()
+                raise ProposerRefused(code, f"spec_decode.proposer {d.proposer!r} refused the request: {details}")
+        estimate = self.router.estimate(d.proposer, params.workload_tag) if session is not None else None
+        k_cap = cap_of(d.k) if self.step_cost is not None else None  # --spec-gating always: the gate never cuts
+        return RequestSpeculation.start(session, k_cap, estimate, why_plain)
+
+    def abandon(self, state: RequestSpeculation) -> None:
+        """A request that never reached the engine: close its stream."""
+        self._end(state)
+
+    # --- the engine thread: before the forward --------------------------------------------------
     def collect_trees(self, seqs: list[Sequence], max_context: int) -> list[TokenTree]:
         """Each request's tree for its current context; waits at most ``proposer_wait_ms`` for all."""
         for seq in seqs:
-            if seq.spec.session is not None and seq.spec.session.failed is not None:
-                self.drop_session(seq, seq.spec.session.failed)
+            if seq.speculation.session is not None and seq.speculation.session.failed is not None:
+                self._drop(seq.speculation, seq.speculation.session.failed)
         # Wait for trees only where speculation may pay this step (by the cost model); others use
         # a tree only if it is already there (it still feeds the acceptance estimate).
-        promising = [s for s in seqs if s.spec.session is not None]
+        promising = [s for s in seqs if s.speculation.session is not None]
         if self.step_cost is not None and promising:
             chains = [  # as if every live proposer sent a full chain
-                expected_accepted(s.spec.estimate.alphas(s.spec.session.limits.max_depth)) if s.spec.session else [0.0]
+                expected_accepted(s.speculation.estimate.alphas(s.speculation.session.limits.max_depth))
+                if s.speculation.session
+                else [0.0]
                 for s in seqs
             ]
             if max(choose_widths(chains, self._cost(seqs), self.config.packed_steps)) == 1:
                 promising = []
-        wanted = [(s.spec.session, s.context_length) for s in promising]
+        wanted = [(s.speculation.session, s.context_length) for s in promising]
         waited = wait_for_trees(self.trees_arrived, wanted, self.config.proposer_wait_ms / 1e3) if wanted else 0.0
         self.last_wait = waited
-        now = time.perf_counter()
         trees = []
         for seq in seqs:
-            tree, spec = None, seq.spec
-            spec.gated_out = spec.had_tree = False
-            if spec.session is not None:
-                spec.counters.wait_s += waited
-                recent = seq.output[-self.config.recent_tokens :] if seq.req.temperature == 0 else None
-                tree = spec.session.take(seq.context_length, recent)
-                spec.had_tree = tree is not None and len(tree) > 0
-                # A re-rooted tree ends where the tree it was cut from ends: judge that one.
-                sent = spec.session.sent
-                complete = tree is not None and sent is not None and ended_by_proposer(sent, spec.session.limits)
-                spec.offered = tree if complete else None
-                if tree is not None:
-                    spec.last_tree = now
-                    # The router's k caps a tree priced by the chain model; whether to speculate at all
-                    # is the cost gate's call, from the request's own acceptance (which skipped trees
-                    # keep scoring). A tree with path probabilities is sized by the gate alone: the
-                    # router's k is a chain's depth, and would cut the likeliest siblings of a bushy tree.
-                    if spec.k_cap is not None and spec.k_cap < len(tree) and not tree.probs:
-                        tree = truncate(tree, spec.k_cap)
-                elif now - max(spec.last_tree, spec.session.last_response) > self.config.proposer_timeout_s:
-                    self.drop_session(
-                        seq,
-                        f"proposer {spec.counters.proposer!r} answered nothing for {self.config.proposer_timeout_s} s",
-                    )
-            if tree is None or seq.length + 1 + len(tree) > max_context:
-                tree = EMPTY_TREE
-            trees.append(tree)
+            tree = self._take(seq, waited)
+            trees.append(EMPTY_TREE if tree is None or seq.length + 1 + len(tree) > max_context else tree)
         if self.step_cost is not None and any(trees):
             trees = self._gate(seqs, trees)
         return trees
+
+    def _take(self, seq: Sequence, waited: float) -> TokenTree | None:
+        """The request's tree for this step, if its proposer has one (capped by the router's k)."""
+        state = seq.speculation
+        state.gated_out = state.had_tree = False
+        if state.session is None:
+            return None
+        state.counters.wait_s += waited
+        recent = seq.output[-self.config.recent_tokens :] if seq.req.temperature == 0 else None
+        tree = state.session.take(seq.context_length, recent)
+        state.had_tree = tree is not None and len(tree) > 0
+        # A re-rooted tree ends where the tree it was cut from ends: judge that one.
+        sent = state.session.sent
+        complete = tree is not None and sent is not None and ended_by_proposer(sent, state.session.limits)
+        state.offered = tree if complete else None
+        now = time.perf_counter()
+        if tree is not None:
+            state.last_tree = now
+            # The router's k caps a tree priced by the chain model; whether to speculate at all is
+            # the cost gate's call, from the request's own acceptance (which skipped trees keep
+            # scoring). A tree with path probabilities is sized by the gate alone: the router's k is
+            # a chain's depth, and would cut the likeliest siblings of a bushy tree.
+            if state.k_cap is not None and state.k_cap < len(tree) and not tree.probs:
+                tree = truncate(tree, state.k_cap)
+        elif now - max(state.last_tree, state.session.last_response) > self.config.proposer_timeout_s:
+            timeout = self.config.proposer_timeout_s
+            self._drop(state, f"proposer {state.counters.proposer!r} answered nothing for {timeout} s")
+        return tree
 
     def _cost(self, seqs: list[Sequence]) -> CostFn:
         """The step cost after this batch's longest context: attention reads it for every row."""
@@ -328,20 +197,26 @@ class SpeculationControl:
     def _gate(self, seqs: list[Sequence], trees: list[TokenTree]) -> list[TokenTree]:
         """Cut every tree to its row's best step width (maybe 1: no speculation for it this step):
         one width for the batch where steps are padded, one per row where they are packed."""
-        expected = [seq.spec.expected(tree) for seq, tree in zip(seqs, trees, strict=True)]
+        expected = [seq.speculation.expected(tree) for seq, tree in zip(seqs, trees, strict=True)]
         widths = choose_widths(expected, self._cost(seqs), self.config.packed_steps)
         out = []
         for seq, tree, width in zip(seqs, trees, widths, strict=True):
+            state = seq.speculation
             if len(tree) > width - 1:
                 if width == 1:
-                    seq.spec.gated_out = bool(tree.probs)
-                    if seq.spec.shadow is None:
-                        seq.spec.shadow = Shadow(tree, seq.spec.complete(tree))
+                    state.gated_out = bool(tree.probs)
+                    if state.shadow is None:
+                        state.shadow = Shadow(tree, state.complete(tree))
                 tree = truncate(tree, width - 1)
             out.append(tree)
         return out
 
-    # --- after the forward ------------------------------------------------------------------
+    # --- the engine thread: after the forward ---------------------------------------------------
+    def observe_step(self, rows: int, width: float, seconds: float, widest: int, keys: int) -> None:
+        """A decode step's measured time: the cost model follows what steps really take here."""
+        if self.step_cost is not None:
+            self.step_cost.observe(rows, width, seconds, widest, keys)
+
     def after_step(
         self, seqs: list[Sequence], trees: list[TokenTree], results: list[tuple[list[int], int]], seconds: float
     ) -> list[list[int]]:
@@ -356,33 +231,32 @@ class SpeculationControl:
 
         emitted_all = []
         for seq, tree, (path, bonus) in zip(seqs, trees, results, strict=True):
-            spec, tag = seq.spec, seq.req.spec.workload_tag
+            state, tag = seq.speculation, seq.req.spec_params.workload_tag
+            key = (state.counters.proposer, tag)
             if len(tree):
-                spec.counters.count_step(len(tree), len(path))
-                self.stats.drafted_tokens += len(tree)
-                self.stats.accepted_tokens += len(path)
+                state.counters.count_step(len(tree), len(path))
                 last = path[-1] if path else -1
                 rejected = last in tree.parents
-                ended = not rejected and spec.complete(tree)  # a leaf of the proposer's own tree
-                spec.observe(len(path), rejected, ended, tree)
-                spec.shadow = None
+                ended = not rejected and state.complete(tree)  # a leaf of the proposer's own tree
+                state.observe(len(path), rejected, ended, tree)
+                state.shadow = None
                 sample = AcceptanceStats.of_step(len(tree), len(path), rejected, self.last_wait, ended)
-                add(samples, (spec.counters.proposer, tag), sample)
-                add(verified, spec.counters.proposer, sample)
-            elif (spec.offered is not None and not len(spec.offered)) or spec.gated_out:  # nothing (worth it)
-                spec.estimate.observe_no_tree()
-                add(samples, (spec.counters.proposer, tag), AcceptanceStats.no_tree())
+                add(samples, key, sample)
+                add(verified, state.counters.proposer, sample)
+            elif (state.offered is not None and not len(state.offered)) or state.gated_out:  # nothing (worth it)
+                state.estimate.observe_no_tree()
+                add(samples, key, AcceptanceStats.no_tree())
             emitted = [tree.tokens[k] for k in path] + [bonus]
-            if spec.session is not None or len(tree):  # the step as the request got it
+            if state.session is not None or len(tree):  # the step as the request got it
                 served = AcceptanceStats.served(
-                    len(emitted), len(tree), seconds + self.last_wait, len(seqs), tree=spec.had_tree
+                    len(emitted), len(tree), seconds + self.last_wait, len(seqs), tree=state.had_tree
                 )
-                add(samples, (spec.counters.proposer, tag), served)
-                spec.estimate.count_step(spec.had_tree)
-            if spec.shadow is not None and not len(tree):
-                shadow = spec.follow_shadow(emitted)
+                add(samples, key, served)
+                state.estimate.count_step(state.had_tree)
+            if state.shadow is not None and not len(tree):
+                shadow = state.follow_shadow(emitted)
                 if shadow is not None:
-                    add(samples, (spec.counters.proposer, tag), shadow)
+                    add(samples, key, shadow)
             emitted_all.append(emitted)
         if self.router is not None:
             for (proposer, tag), sample in samples.items():
@@ -392,25 +266,59 @@ class SpeculationControl:
                 self.metrics.speculation(proposer, int(s.steps), int(s.drafted), int(s.accepted), s.hits, s.trials)
         return emitted_all
 
+    def hidden_states(
+        self, hidden: torch.Tensor, seqs: list[Sequence], rows: Callable[[int], list[int]]
+    ) -> list[proposer_pb2.HiddenStates | None]:
+        """Per request i, rows ``rows(i)`` of the step's real tokens' hidden states [sum(n_i + 1), h],
+        encoded for its proposer where it asked for them (else None): one gather and one host copy
+        for the whole batch."""
+        sessions = [s.speculation.session for s in seqs]
+        dtypes = [s.hidden_dtype if s is not None else None for s in sessions]
+        takers = [i for i, d in enumerate(dtypes) if d is not None]
+        out: list[proposer_pb2.HiddenStates | None] = [None] * len(seqs)
+        if not takers:
+            return out
+        wire = {hidden_states.TORCH_DTYPES[dtypes[i]] for i in takers}
+        wire_dtype = wire.pop() if len(wire) == 1 else torch.float32
+        host = hidden_states.gather_rows(hidden, [rows(i) for i in takers], wire_dtype)
+        if self.metrics is not None:
+            self.metrics.hidden_copies.inc()
+            self.metrics.hidden_rows.inc(sum(len(h) for h in host))
+        for i, states in zip(takers, host, strict=True):
+            out[i] = hidden_states.encode(states, dtypes[i])
+        return out
+
+    def emitted(
+        self, seq: Sequence, tokens: list[int], hidden: proposer_pb2.HiddenStates | None, first: bool = False
+    ) -> None:
+        """The request's new tokens (``first``: its first, after the prompt) go to its proposer, whose
+        context must include them; its liveness clock starts at the first."""
+        state = seq.speculation
+        if first:
+            state.last_tree = time.perf_counter()
+        if state.session is not None and not seq.done and tokens:
+            state.session.advance(tokens, hidden)
+
     def redecide_due(self, seqs: list[Sequence]) -> None:
         """Every ``redecide_steps`` steps of a request, the router revisits its proposer and k."""
         if self.router is None:
             return
         for seq in seqs:
-            if not seq.done and seq.req.spec.proposer != "none" and seq.steps % self.config.redecide_steps == 0:
+            if not seq.done and seq.req.spec_params.proposer != "none" and seq.steps % self.config.redecide_steps == 0:
                 self._redecide(seq, len(seqs))
 
     def _redecide(self, seq: Sequence, batch: int) -> None:
         """A new proposer's stream starts lazily; its prior α comes from the shared statistics."""
-        spec, state = seq.req.spec, seq.spec
+        assert self.router is not None
+        params, state = seq.req.spec_params, seq.speculation
         current = state.counters.proposer if state.session is not None else None
         d = self.router.decide(
-            spec.proposer,
-            spec.workload_tag,
-            spec.num_speculative_tokens,
+            params.proposer,
+            params.workload_tag,
+            params.num_speculative_tokens,
             batch,
             current,
-            spec.unservable,
+            params.unservable,
             estimate=state.estimate if current is not None else None,
         )
         if self.metrics is not None:
@@ -421,33 +329,39 @@ class SpeculationControl:
         new = self.open_session(seq.req, d.proposer, [*seq.req.prompt_ids, *seq.output])
         if new is None:
             return
-        self.end_session(seq)
+        self._end(state)
         log.info("request %s: proposer %s → %s", seq.req.request_id, current or "none", d.proposer)
         state.session, state.counters.proposer = new, d.proposer
         state.counters.per_proposer.setdefault(d.proposer, ProposerCounts())
         state.last_tree, state.shadow = time.perf_counter(), None
-        state.estimate = self.router.estimate(d.proposer, spec.workload_tag)
+        state.estimate = self.router.estimate(d.proposer, params.workload_tag)
 
-    # --- session lifecycle ------------------------------------------------------------------
-    def drop_session(self, seq: Sequence, reason: str) -> None:
+    # --- session lifecycle ----------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """The request finished: End its stream, and the proposers it had streams with learn its output."""
+        self._end(seq.speculation)
+        if self.learn is not None:
+            self.learn(seq.req, seq.output, seq.speculation.counters.per_proposer.keys())
+
+    def release(self, seq: Sequence) -> None:
+        """The request left the engine (failed or cancelled): close its stream, if still open."""
+        self._end(seq.speculation)
+
+    def _drop(self, state: RequestSpeculation, reason: str) -> None:
         """The proposer failed the request: plain decoding from now on, and why."""
-        state = seq.spec
         state.counters.fallback_reason = reason
         if state.session is not None:
-            self.stats.proposer_fallbacks += 1
             state.failed_proposers.add(state.session.name)
             if self.metrics is not None:
                 self.metrics.fallback(state.session.name, reason)
-        self.end_session(seq, reason)
+        self._end(state, reason)
 
-    def end_session(self, seq: Sequence, failure: str | None = None) -> None:
+    def _end(self, state: RequestSpeculation, failure: str | None = None) -> None:
         """Close (or fail) the request's proposer stream, counting its invalid trees once."""
-        state = seq.spec
         session, state.session = state.session, None
         if session is None:
             return
         state.counters.invalid_trees += session.invalid_trees
-        self.stats.invalid_trees += session.invalid_trees
         if self.metrics is not None:
             self.metrics.invalid_tree(session.name, session.invalid_trees)
         if failure is None:

@@ -76,7 +76,8 @@ def decode_step_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> 
     from specmesh_server.model_runner import ModelRunner
     from verifier_svc.engine import Engine, EngineConfig
     from verifier_svc.events import ErrorEvent, TokenEvent
-    from verifier_svc.requests import GenerationRequest, SpecRequest
+    from verifier_svc.request_speculation import RequestSpeculation
+    from verifier_svc.requests import GenerationRequest, SpecParams
 
     if ctx.tokenizer is None:
         sec.status = "skipped"
@@ -105,14 +106,14 @@ def decode_step_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> 
 
         return on
 
-    spec = SpecRequest("synthetic", 0, NODES, "", "")
+    spec = SpecParams("synthetic", 0, NODES, "", "")
     n_steps = 4 if ctx.quick else 20
     rng = random.Random(1)
     try:
         for i in range(ROWS):
             prompt = [rng.randrange(3, shape["vocab_size"]) for _ in range(32 if ctx.quick else 512)]
             req = GenerationRequest(f"p{i}", prompt, 0.0, 1.0, 0, 0, 100_000, (), True, spec)
-            engine.submit(req, sink(i), session=SyntheticTrees(shape["vocab_size"], i))
+            engine.submit(req, sink(i), RequestSpeculation.start(SyntheticTrees(shape["vocab_size"], i)))
         with arrived:  # every request prefilled and decoding: the window holds decode steps only
             arrived.wait_for(lambda: min(tokens) > 1 or errors, timeout=deadline.left())
         if errors or min(tokens) <= 1:

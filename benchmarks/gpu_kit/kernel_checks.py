@@ -108,11 +108,11 @@ def acceptance_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
     """The verifier's acceptance with the kernel (``--device-accept on``) against its host walk (``off``),
     request for request."""
     from verifier_svc.batch_accept import accept_batch
-    from verifier_svc.requests import GenerationRequest, SpecRequest
+    from verifier_svc.requests import GenerationRequest, SpecParams
 
     vocab, n_req, max_nodes, rounds = (64, 6, 8, 3) if ctx.quick else (49152, 64, 63, 10)
     rng = random.Random(0)
-    spec = SpecRequest("none", 0, 0, "", "")
+    spec = SpecParams("none", 0, 0, "", "")
     t = sec.table("acceptance kernel vs host walk", ["round", "requests", "greedy", "sampled", "identical"])
     mismatches = 0
     for r in range(rounds):

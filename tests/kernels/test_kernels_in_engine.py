@@ -19,7 +19,8 @@ from verifier_svc.engine import Engine, EngineConfig
 from verifier_svc.events import ErrorEvent, FinishEvent, TokenEvent
 from verifier_svc.kernel_paths import check_kernel_device
 from verifier_svc.proposer_client import ProposerLimits
-from verifier_svc.requests import GenerationRequest, SpecRequest
+from verifier_svc.request_speculation import RequestSpeculation
+from verifier_svc.requests import GenerationRequest, SpecParams
 
 VOCAB = 64  # support.tiny_llama's
 PROMPTS = [[1, 5, 9, 2, 7, 3], [4, 4, 8], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
@@ -104,11 +105,11 @@ def serve(model: torch.nn.Module, kernels: bool, wants: list[list[int]]) -> tupl
     eng = Engine(runner, ToyTokenizer(), {2}, 256, EngineConfig(device_accept=kernels))
     eng.start()
     try:
-        spec = SpecRequest("oracle", 0, 0, "", "")
+        spec = SpecParams("oracle", 0, 0, "", "")
         outs = [Collector() for _ in PROMPTS]
         for i, (prompt, want, out) in enumerate(zip(PROMPTS, wants, outs, strict=True)):
             req = GenerationRequest(f"r{i}", prompt, 0.0, 1.0, 0, 1, MAX_TOKENS, (), True, spec)
-            eng.submit(req, out, OracleSession(prompt, want, DEPTHS[i]))
+            eng.submit(req, out, RequestSpeculation.start(OracleSession(prompt, want, DEPTHS[i])))
         for out in outs:
             assert out.done.wait(300)
         return outs, eng.stats.steps
@@ -140,8 +141,8 @@ def test_greedy_output_with_both_kernels_on_equals_both_off_and_plain_greedy(mon
     on, steps_on = serve(model, True, wants)
     assert [o.tokens for o in on] == [o.tokens for o in off] == wants
     assert launches["attention"] > 0 and launches["accept"] == steps_on  # every forward and every step
-    drafted = sum(o.finish.spec.drafted for o in on)
-    accepted = sum(o.finish.spec.accepted for o in on)
+    drafted = sum(o.finish.speculation.drafted for o in on)
+    accepted = sum(o.finish.speculation.accepted for o in on)
     assert 0 < accepted < drafted and steps_on == steps_off < MAX_TOKENS - 1  # trees taken, and refused
 
 

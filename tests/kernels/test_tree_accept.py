@@ -14,7 +14,7 @@ from specmesh_server.sampling import filter_logits
 from specmesh_server.tree import TokenTree
 from verifier_svc.acceptance import acceptance_uniforms, greedy_accept, sample_accept, walk_shape
 from verifier_svc.batch_accept import accept_on_device
-from verifier_svc.requests import GenerationRequest, SpecRequest
+from verifier_svc.requests import GenerationRequest, SpecParams
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: 100k walks take hours in Triton's CPU interpreter"
@@ -108,7 +108,7 @@ def test_the_engine_device_path_applies_temperature_top_k_top_p_as_the_host_walk
     top_p = torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0, 1.0])
     top_k = torch.tensor([0, 0, 5, 3, 0, 0])
     seeds, positions = torch.arange(n_req) + 100, torch.arange(n_req) + 40
-    plain = SpecRequest("none", 0, 0, "", "")
+    plain = SpecParams("none", 0, 0, "", "")
     reqs = [
         GenerationRequest(str(b), [], float(t), float(p), int(k), int(s), 8, (), False, plain)
         for b, (t, p, k, s) in enumerate(zip(temperature, top_p, top_k, seeds, strict=True))
@@ -134,7 +134,7 @@ def test_accept_batch_through_the_kernel_equals_the_host_walk(rows, monkeypatch)
     temperature = {"greedy": [0.0] * n_req, "sampled": [0.7, 1.0, 1.3, 0.9] * 2}
     temperature["mixed"] = [0.0, 0.8, 0.0, 1.0, 1.2, 0.0, 0.6, 1.0]
     top_p, top_k = [1.0, 0.9, 1.0, 0.8] * 2, [0, 0, 5, 3] * 2
-    plain = SpecRequest("none", 0, 0, "", "")
+    plain = SpecParams("none", 0, 0, "", "")
     reqs = [
         GenerationRequest(str(b), [], t, p, k, random.Random(b).getrandbits(63), 8, (), False, plain)
         for b, (t, p, k) in enumerate(zip(temperature[rows], top_p, top_k, strict=True))
@@ -161,7 +161,7 @@ def test_a_tree_over_the_kernels_bitmask_takes_the_host_walk_even_when_forced(mo
     chain = TokenTree([3] * n, list(range(-1, n - 1)))
     logits = torch.zeros(n + 1, 10)
     logits[:, 3] = 1.0  # the target agrees with every node
-    req = GenerationRequest("r", [], 0.0, 1.0, 0, 1, 8, (), False, SpecRequest("none", 0, 0, "", ""))
+    req = GenerationRequest("r", [], 0.0, 1.0, 0, 1, 8, (), False, SpecParams("none", 0, 0, "", ""))
     got = batch_accept.accept_batch([req], [5], [chain], logits, [n + 1], device_accept=True)
     assert got == [(list(range(n)), 3)]
 

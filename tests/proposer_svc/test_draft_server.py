@@ -147,7 +147,7 @@ def test_draft_tree_acceptance_on_the_real_logits_emits_the_target_softmax_chi_s
     from specmesh_server.tree import TokenTree
     from verifier_svc.acceptance import acceptance_uniforms, sample_accept, walk_shape
     from verifier_svc.batch_accept import accept_batch, target_probs
-    from verifier_svc.requests import GenerationRequest, SpecRequest
+    from verifier_svc.requests import GenerationRequest, SpecParams
 
     n, cfg = 20_000, DraftConfig()
     template = sampling_template(SHALLOW.max_tree_nodes, SHALLOW.num_speculative_tokens, cfg.width, cfg.branch)
@@ -169,8 +169,8 @@ def test_draft_tree_acceptance_on_the_real_logits_emits_the_target_softmax_chi_s
                 lm.model(torch.tensor([[*context, x] for x in support])).logits[:, -1],
             ]
         ).float()  # [1 + T, V]
-    spec = SpecRequest(proposer="weak", num_speculative_tokens=1, max_tree_nodes=2, workload_tag="", corpus="")
-    sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec=spec)
+    spec = SpecParams(proposer="weak", num_speculative_tokens=1, max_tree_nodes=2, workload_tag="", corpus="")
+    sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec_params=spec)
     reqs = [GenerationRequest(str(s), context, seed=s, **sampled) for s in range(32)]
     probs = target_probs(logits, reqs[:1], [len(logits)]).double()
     # The draft server's root draw for each seed: its counter (context length * 1024 + depth 1), salts 1..T.

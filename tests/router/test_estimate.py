@@ -4,7 +4,6 @@ trees, and is what both the router's k and the verifier's width gate read."""
 from __future__ import annotations
 
 import random
-import threading
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -15,9 +14,9 @@ from specmesh_router.estimate import Posterior, RequestEstimate, expected_accept
 from specmesh_router.stats import AcceptanceStats, StatsKey
 from specmesh_server.tree import TokenTree
 from tests.router.test_selection import MODEL, feed, make_router
-from verifier_svc.events import EngineStats
 from verifier_svc.proposer_client import ProposerLimits
-from verifier_svc.speculation import SpecState, SpeculationConfig, SpeculationControl, expected_by_width
+from verifier_svc.request_speculation import RequestSpeculation, expected_by_width
+from verifier_svc.speculation import SpeculationConfig, SpeculationControl
 
 
 def test_a_new_estimate_starts_at_the_shared_posterior_means(clock):
@@ -107,13 +106,13 @@ def test_a_proposer_that_claims_certainty_and_misses_loses_the_gate_within_two_t
     probabilities at face value."""
     cpu = StepCost.by_tokens((1, 2, 4, 8, 16, 32), (1.0, 1.0, 1.0, 1.1, 1.4, 1.7))
     chain, certain = list(range(-1, 15)), [1.0] * 16
-    liar = SpecState()
+    liar = RequestSpeculation()
     assert choose_width([liar.expected(TokenTree(list(range(16)), chain, probs=certain))], cpu) == 17
     for _ in range(2):
         liar.observe(0, rejected=True, ended=False, tree=TokenTree(list(range(16)), chain, probs=certain))
     assert liar.trust.value < 0.05
     assert choose_width([liar.expected(TokenTree(list(range(16)), chain, probs=certain))], cpu) <= 4
-    honest, halving = SpecState(), [0.5 ** (d + 1) for d in range(16)]
+    honest, halving = RequestSpeculation(), [0.5 ** (d + 1) for d in range(16)]
     for _ in range(10):
         honest.observe(1, rejected=True, ended=False, tree=TokenTree(list(range(16)), chain, probs=halving))
     assert honest.trust.value == pytest.approx(1.0, abs=0.05)
@@ -121,7 +120,7 @@ def test_a_proposer_that_claims_certainty_and_misses_loses_the_gate_within_two_t
 
 
 class ScriptedSession:
-    """A proposer stream whose next tree the test sets (``verifier_svc.speculation.ProposerSession``)."""
+    """A proposer stream whose next tree the test sets (``verifier_svc.request_speculation.ProposerSession``)."""
 
     name, failed, invalid_trees, last_response, hidden_dtype = "draft", None, 0, 0.0, None
 
@@ -146,13 +145,15 @@ class ScriptedSession:
 
 def test_the_verifier_records_where_the_proposer_ended_its_tree_not_where_the_budget_or_k_cut_it(clock):
     router = make_router(clock)
-    control = SpeculationControl(SpeculationConfig(), EngineStats(), threading.Condition(), router=router)
+    control = SpeculationControl(SpeculationConfig(), router)
     session = ScriptedSession(ProposerLimits(vocab_size=100, max_nodes=4, max_depth=3))
-    req = SimpleNamespace(temperature=0.0, spec=SimpleNamespace(workload_tag="chat"))
-    seq = SimpleNamespace(spec=SpecState.start(session, None, None), context_length=10, length=10, output=[], req=req)
+    req = SimpleNamespace(temperature=0.0, spec_params=SimpleNamespace(workload_tag="chat"))
+    seq = SimpleNamespace(
+        speculation=RequestSpeculation.start(session), context_length=10, length=10, output=[], req=req
+    )
 
     def step(tree: TokenTree, accepted: list[int], k_cap: int | None = None) -> None:
-        seq.spec.k_cap, session.next = k_cap, tree
+        seq.speculation.k_cap, session.next = k_cap, tree
         trees = control.collect_trees([seq], max_context=1000)
         control.after_step([seq], trees, [(accepted, 0)], 0.06)
 
@@ -174,10 +175,12 @@ def test_trees_with_path_probabilities_escape_the_routers_k_and_a_tree_the_gate_
     at depth 1; its walk along the emitted tokens feeds the request's Trust only."""
     router = make_router(clock)
     flat = LiveStepCost(StepCost.by_tokens((1, 2, 4, 8, 16), (1.0, 1.0, 1.0, 1.0, 1.0)))  # any width is free
-    control = SpeculationControl(SpeculationConfig(), EngineStats(), threading.Condition(), flat, router)
+    control = SpeculationControl(SpeculationConfig(), router, flat)
     session = ScriptedSession(ProposerLimits(vocab_size=100, max_nodes=8, max_depth=8))
-    req = SimpleNamespace(temperature=0.0, spec=SimpleNamespace(workload_tag="chat"))
-    seq = SimpleNamespace(spec=SpecState.start(session, 2, None), context_length=10, length=10, output=[], req=req)
+    req = SimpleNamespace(temperature=0.0, spec_params=SimpleNamespace(workload_tag="chat"))
+    seq = SimpleNamespace(
+        speculation=RequestSpeculation.start(session, k_cap=2), context_length=10, length=10, output=[], req=req
+    )
 
     def take(tree: TokenTree) -> TokenTree:
         session.next = tree
@@ -190,11 +193,11 @@ def test_trees_with_path_probabilities_escape_the_routers_k_and_a_tree_the_gate_
     control.step_cost = dear
     guess = TokenTree([5, 6], [-1, 0], probs=[0.05, 0.01])
     verified = take(guess)
-    assert not len(verified) and seq.spec.gated_out
+    assert not len(verified) and seq.speculation.gated_out
     control.after_step([seq], [verified], [([], 5)], 0.06)  # the guess was right (5): only Trust hears it
     session.next = None  # the next step has no tree (the proposer is late): the walk goes on
     control.after_step([seq], control.collect_trees([seq], max_context=1000), [([], 6)], 0.06)
     stats = router.stats.snapshot()[StatsKey(MODEL, "draft", "chat")]
     assert stats.trials == () and stats.ends == (1.0,)  # one step without a tree, no miss, no hit
-    assert seq.spec.estimate.seen.ends == (1.0,) and seq.spec.estimate.seen.trials == ()
-    assert seq.spec.shadow is None and seq.spec.trust.accepted == 2.0  # the walk matched 5 then 6
+    assert seq.speculation.estimate.seen.ends == (1.0,) and seq.speculation.estimate.seen.trials == ()
+    assert seq.speculation.shadow is None and seq.speculation.trust.accepted == 2.0  # the walk matched 5 then 6

@@ -13,9 +13,9 @@ from specmesh_server.model_runner import ModelRunner
 from verifier_svc import admission
 from verifier_svc.engine import Engine, EngineConfig
 from verifier_svc.events import ErrorEvent, FinishEvent, NeverFits, TokenEvent
-from verifier_svc.requests import GenerationRequest, SpecRequest
+from verifier_svc.requests import GenerationRequest, SpecParams
 
-NO_SPEC = SpecRequest("none", 0, 0, "", "")
+NO_SPEC = SpecParams("none", 0, 0, "", "")
 ROOM = EngineConfig.step_room
 
 
@@ -68,7 +68,7 @@ class Collector:
 
 def _request(ids: list[int], max_tokens: int, **kw) -> GenerationRequest:
     args = dict(temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(), ignore_eos=False) | kw
-    return GenerationRequest("r", ids, max_tokens=max_tokens, spec=NO_SPEC, **args)
+    return GenerationRequest("r", ids, max_tokens=max_tokens, spec_params=NO_SPEC, **args)
 
 
 def _settled(eng: Engine) -> None:

@@ -11,10 +11,12 @@ from specmesh_server.model_runner import ModelRunner
 from specmesh_server.torch_thread import TorchThread
 from verifier_svc.engine import Engine, EngineConfig
 from verifier_svc.events import EngineFull, ErrorEvent, FinishEvent, TokenEvent
-from verifier_svc.requests import GenerationRequest, SpecRequest
+from verifier_svc.request_speculation import RequestSpeculation
+from verifier_svc.requests import GenerationRequest, SpecParams
+from verifier_svc.speculation import SpeculationConfig, SpeculationControl
 
 pytestmark = pytest.mark.slow
-NO_SPEC = SpecRequest("none", 0, 0, "", "")
+NO_SPEC = SpecParams("none", 0, 0, "", "")
 
 
 class Collector:
@@ -35,7 +37,7 @@ class Collector:
 
 
 def _request(rid: str, ids: list[int], max_tokens: int, **kw) -> GenerationRequest:
-    args = dict(temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(), ignore_eos=False, spec=NO_SPEC) | kw
+    args = dict(temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(), ignore_eos=False, spec_params=NO_SPEC) | kw
     return GenerationRequest(rid, ids, max_tokens=max_tokens, **args)
 
 
@@ -120,24 +122,25 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
     # A CPU-like step cost: a 32-token step costs ~2.4x a plain one (the live steps refine it).
     cost = LiveStepCost(StepCost.by_tokens((1, 2, 4, 8, 16, 32, 64), (1.0, 1.6, 1.7, 1.8, 2.0, 2.4, 3.6)))
     router = Router(InProcessStats(StatsConfig(half_life_s=1e9)), "lm", ("ngram",), PolicyStore(("ngram",)), cost)
-    eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(), step_cost=cost, router=router)
+    control = SpeculationControl(SpeculationConfig(), router, cost)
+    eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(), control)
     eng.start()
     try:
         ids = chat_ids(workload_prompts(per_category=8, max_chars=2000, categories=("code_edit",))[0])
         limits = ProposerLimits(vocab_size=runner.vocab_size, max_nodes=32, max_depth=24)
-        session = LocalProposerSession("ngram", ids, limits, eng.trees_arrived)
+        session = LocalProposerSession("ngram", ids, limits, control.trees_arrived)
         got = Collector()
-        spec = SpecRequest("ngram", 0, 0, "", "")
+        spec = SpecParams("ngram", 0, 0, "", "")
         req = GenerationRequest("r", ids, max_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(),
-                                ignore_eos=True, spec=spec)  # fmt: skip
+                                ignore_eos=True, spec_params=spec)  # fmt: skip
         t0 = time.perf_counter()
-        eng.submit(req, got, session, k_cap=None, estimate=RequestEstimate((0.05,)))
+        eng.submit(req, got, RequestSpeculation.start(session, estimate=RequestEstimate((0.05,))))
         assert got.done.wait(300)
         elapsed = time.perf_counter() - t0
     finally:
         eng.shutdown()
     assert_greedy_equal(lm, ids, got.tokens, hf_greedy(ids, 64))
-    spec = got.finish.spec
+    spec = got.finish.speculation
     assert spec.steps > 0 and spec.accepted > 0  # verified trees, and they paid
     assert got.finish.steps < 48, f"{got.finish.steps} steps for 64 tokens"  # well under one token per step
     stats = router.stats.snapshot()[StatsKey("lm", "ngram", "")]
@@ -156,7 +159,6 @@ def test_packed_steps_verify_a_batch_of_ragged_trees_to_plain_greedy_computing_f
     once with steps packed (real tokens only) and once padded to the widest tree."""
     from verifier_svc.local_proposer import LocalProposerSession
     from verifier_svc.proposer_client import ProposerLimits
-    from verifier_svc.speculation import SpeculationConfig
 
     class CountingRunner(ModelRunner):
         tokens = 0  # tokens the decode forwards computed (padding included)
@@ -178,15 +180,16 @@ def test_packed_steps_verify_a_batch_of_ragged_trees_to_plain_greedy_computing_f
             got = [Collector() for _ in prompts]
             for i, ids in enumerate(prompts):
                 plain = i == len(prompts) - 1
-                req = _request(f"r{i}", ids, 24, spec=NO_SPEC if plain else SpecRequest("ngram", 0, 0, "", ""))
-                session = None if plain else LocalProposerSession("ngram", ids, limits, eng.trees_arrived)
-                eng.submit(req, got[i], session, k_cap=None)
+                req = _request(f"r{i}", ids, 24, spec_params=NO_SPEC if plain else SpecParams("ngram", 0, 0, "", ""))
+                arrived = eng.speculation.trees_arrived
+                session = None if plain else LocalProposerSession("ngram", ids, limits, arrived)
+                eng.submit(req, got[i], RequestSpeculation.start(session))
             assert all(c.done.wait(300) for c in got)
         finally:
             eng.shutdown()
         assert eng.packed == packed
         outputs[packed], computed[packed] = [c.tokens for c in got], runner.tokens
-        assert sum(c.finish.spec.drafted for c in got) > 0  # trees were verified
+        assert sum(c.finish.speculation.drafted for c in got) > 0  # trees were verified
     for ids, a, b in zip(prompts, outputs[True], outputs[False], strict=True):
         assert_greedy_equal(lm, ids, a, hf_greedy(ids, 24))
         assert a == b

@@ -21,14 +21,14 @@ from specmesh.v1 import proposer_pb2_grpc
 from specmesh_server.metrics import ProposerMetrics, VerifierMetrics
 from specmesh_server.ngram import NgramConfig
 from verifier_svc.learning import LearnConfig, OutputLearning
-from verifier_svc.requests import GenerationRequest, SpecRequest
+from verifier_svc.requests import GenerationRequest, SpecParams
 from verifier_svc.sessions import ProposerTiers
 
 
 def request(rid: str, prompt: list[int], proposer: str, scope: str) -> GenerationRequest:
-    spec = SpecRequest(proposer, 0, 0, "", "", scope)
+    spec = SpecParams(proposer, 0, 0, "", "", scope)
     return GenerationRequest(rid, prompt, max_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
-                             ignore_eos=False, spec=spec)  # fmt: skip
+                             ignore_eos=False, spec_params=spec)  # fmt: skip
 
 
 def calls(metrics: VerifierMetrics, proposer: str, outcome: str) -> float:

@@ -64,7 +64,7 @@ def test_bad_input_is_rejected_naming_the_field(tokenizer, prompt, sampling, spe
 def test_known_but_unconfigured_proposer_is_a_precondition_failure(tokenizer):
     with pytest.raises(ProposerNotConfigured, match="'draft' is not configured"):
         _build(tokenizer, spec=SpecDecodeParams(proposer="draft"))
-    assert _build(tokenizer, spec=SpecDecodeParams(proposer="NGRAM")).spec.proposer == "ngram"
+    assert _build(tokenizer, spec=SpecDecodeParams(proposer="NGRAM")).spec_params.proposer == "ngram"
 
 
 def test_defaults_and_chat_template(tokenizer):
@@ -72,7 +72,7 @@ def test_defaults_and_chat_template(tokenizer):
     # max_tokens unset: what remains of the context after the prompt
     assert (req.temperature, req.top_p, req.top_k, req.max_tokens) == (1.0, 1.0, 0, 64 - len(req.prompt_ids))
     assert req.logprobs is None and req.stop_token_ids == frozenset()
-    assert req.spec.proposer == "auto" and req.request_id
+    assert req.spec_params.proposer == "auto" and req.request_id
     assert tokenizer.decode(req.prompt_ids).rstrip().endswith("assistant")
     seeded = _build(tokenizer, sampling=SamplingParams(seed=7, temperature=0))
     assert seeded.seed == 7 and seeded.temperature == 0.0

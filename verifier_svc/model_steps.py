@@ -1,0 +1,117 @@
+"""The engine's two forwards over the target model, as functions of the batch: a prefill chunk, and
+a decode step with its lossless acceptance. What the engine does with the results (cache lengths,
+streaming, speculation bookkeeping) stays in ``engine``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specmesh_server.attention import Packing
+from specmesh_server.model_runner import ModelRunner
+from specmesh_server.tree import TokenTree
+from verifier_svc.batch_accept import accept_batch, sample_tokens
+from verifier_svc.logprobs import TokenLogprob, step_logprobs
+from verifier_svc.sequence import Sequence
+from verifier_svc.step_inputs import decode_inputs, prefill_inputs, unpadded
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    hidden: torch.Tensor  # [b, n, h]
+    seconds: float  # the forward (and the first tokens' sampling)
+    tokens_in: int  # tokens the forward computed, padding included
+    finished: list[int]  # indices of the requests whose prompt is now cached whole (they got a first token)
+    first_tokens: list[int]  # one per finished request
+    logprobs: list[list[TokenLogprob] | None]  # one per finished request
+    state_rows: list[int]  # per finished request, its prompt's last row in hidden.view(b * n, h)
+
+
+def prefill_step(runner: ModelRunner, joining: list[Sequence], chunks: list[list[int]]) -> PrefillStep:
+    """One forward over the next prompt chunk of each joining request (slots contiguous); advances
+    each one's cached length. Prompts now cached in full get their first token (a preempted
+    request's is its pending one, so it gets none)."""
+    dev = runner.device
+    step = prefill_inputs(chunks, [s.length for s in joining], dev)
+    rows = slice(joining[0].slot, joining[-1].slot + 1)
+    t0 = time.perf_counter()
+    hidden = runner.forward(rows, step.input_ids, step.positions, step.mask)  # [b, n, h]
+    for seq, chunk in zip(joining, chunks, strict=True):
+        seq.length += len(chunk)
+    finished = [i for i, s in enumerate(joining) if s.length == s.cache_target and not s.output]
+    tokens: list[int] = []
+    logprobs: list[list[TokenLogprob] | None] = []
+    if finished:
+        last = torch.tensor([len(chunks[i]) - 1 for i in finished], device=dev)
+        logits = runner.logits(hidden[torch.tensor(finished, device=dev), last])  # [f, vocab]
+        reqs = [joining[i].req for i in finished]
+        tokens = sample_tokens(reqs, [joining[i].context_length for i in finished], logits)
+        logprobs = step_logprobs(reqs, logits, lambda j: ([j], [tokens[j]]))
+    n = hidden.shape[1]
+    # The state that predicted each first token: the prompt's last, for proposers that take states.
+    state_rows = [i * n + len(chunks[i]) - 1 for i in finished]
+    seconds = time.perf_counter() - t0
+    return PrefillStep(hidden, seconds, int(step.input_ids.numel()), finished, tokens, logprobs, state_rows)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    hidden: torch.Tensor  # [sum(n_i + 1), h]: the real tokens' states, request by request
+    results: list[tuple[list[int], int]]  # per request: accepted node path, bonus token
+    logprobs: list[list[TokenLogprob] | None]  # per request, one per emitted token (where asked)
+    starts: list[int]  # request i's first row in ``hidden``
+    computed: int  # tokens the forward computed (padding included where padded)
+    width: int  # the widest row: pending token + tree
+    keys: int  # key positions the mask spans
+    seconds: float  # the forward, acceptance and logprobs
+
+    def state_rows(self, i: int) -> list[int]:
+        """Emitted token j of request i was predicted at its parent's row: the pending token's row
+        for the first, accepted node path[j - 1]'s for the rest."""
+        start = self.starts[i]
+        return [start, *(start + 1 + k for k in self.results[i][0])]
+
+
+def decode_step(
+    runner: ModelRunner, seqs: list[Sequence], trees: list[TokenTree], packed: bool, device_accept: bool | None
+) -> DecodeStep:
+    """One batched forward over prefilled requests in contiguous slots: each one's pending token plus
+    its tree (maybe empty); then lossless acceptance per request (``batch_accept.accept_batch``)."""
+    dev = runner.device
+    step = decode_inputs([s.pending for s in seqs], [s.length for s in seqs], trees, dev)
+    width = step.input_ids.shape[1]
+    counts = [len(t) + 1 for t in trees]
+    real = unpadded(counts, dev)  # (row, column) of each real token: [sum(n_i + 1)] each
+    # Packed: the forward holds the real tokens only, so a row pays for its own tree, not the widest
+    # (8 rows, one 16-node tree: 169 → 113 ms here). Where padding is under a tenth, the scatter
+    # and gather cost more than it saves (8 rows × 5 tokens: 90 vs 94 ms), so those steps stay padded.
+    packing = Packing(*real, len(seqs), width) if packed and sum(counts) < 0.9 * len(seqs) * width else None
+    computed = sum(counts) if packing is not None else len(seqs) * width
+    meta = None
+    if runner.tree_kernel:  # the kernel's form of the mask, from the trees: no device read
+        from specmesh_kernels.tree_attention import MAX_TREE_ROWS, tree_meta_from_trees
+
+        if width <= MAX_TREE_ROWS:
+            meta = tree_meta_from_trees([t.parents for t in trees], [s.length for s in seqs], width, dev)
+    t0 = time.perf_counter()
+    rows = slice(seqs[0].slot, seqs[-1].slot + 1)
+    hidden = runner.forward(rows, step.input_ids, step.positions, step.mask, step.write_pos, packing, tree_meta=meta)
+    hidden = hidden[0] if packing is not None else hidden[real]  # [sum(n_i + 1), h]
+    logits = runner.logits(hidden)  # [sum(n_i + 1), vocab]
+    reqs = [s.req for s in seqs]
+    results = accept_batch(reqs, [s.context_length for s in seqs], trees, logits, counts, device_accept=device_accept)
+    starts = [0, *itertools.accumulate(counts)]
+
+    def drawn(i: int) -> tuple[list[int], list[int]]:
+        """Emitted token j of request i was drawn at its parent's row: the root (the pending token's
+        row) for the first, accepted node path[j - 1] for the rest; the bonus after the last."""
+        (path, bonus), start = results[i], starts[i]
+        return [start, *(start + 1 + k for k in path)], [*(trees[i].tokens[k] for k in path), bonus]
+
+    logprobs = step_logprobs(reqs, logits, drawn)
+    seconds = time.perf_counter() - t0
+    return DecodeStep(hidden, results, logprobs, starts, computed, width, step.mask.shape[-1], seconds)
