@@ -53,6 +53,9 @@ from specmesh.client import Client
 from specmesh.deploy import DeploymentConfig, LocalDeployment, free_port
 from specmesh.health import wait_healthy
 from specmesh.params import SamplingParams, SpecDecodeParams
+from specmesh_bench.cli import git_commit
+from specmesh_bench.report import percentile
+from specmesh_bench.runner import first_mismatch
 
 ROOT = Path(__file__).resolve().parents[1]
 CLEAR_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT")
@@ -198,13 +201,6 @@ class Record:
     greedy_divergence: int | None = None
     during_outage: bool = False
     token_ids: list[int] = field(default_factory=list, repr=False)
-
-
-def first_mismatch(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def run_request(client: Client, plan: Plan, t0: float, request_timeout: float) -> Record:
@@ -444,19 +440,9 @@ def log(msg: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+    """Nearest-rank percentile ``q`` in [0, 1]; None without values."""
+    return percentile(values, q * 100) if values else None
 
 
 # --------------------------------------------------------------------------------------------

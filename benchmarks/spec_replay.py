@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -60,7 +61,9 @@ from specmesh_bench.report import geo_mean_of_medians
 from specmesh_bench.workload import BenchPrompt, ChatEncoder, load_prompts, second_turns
 from specmesh_router.cost_model import StepCost, choose_widths
 from specmesh_router.estimate import RequestEstimate, posterior
-from specmesh_router.stats import AcceptanceStats
+from specmesh_router.policy import PolicyStore
+from specmesh_router.selection import Router, SelectionConfig
+from specmesh_router.stats import AcceptanceStats, InProcessStats, StatsConfig
 from specmesh_server.ngram import NgramConfig, NgramIndex
 from specmesh_server.tree import TokenTree, depths, follow, truncate
 from verifier_svc.proposer_client import ProposerLimits
@@ -247,6 +250,232 @@ def run_mode(
     return out
 
 
+# --- auto: the router choosing per request, and its ablation -----------------------------------
+
+PLAIN_S = 0.04  # seconds of a 1-row plain step (the EPYC's ITL): the statistics' clock and decay
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the router: ``proposer`` fixed (or ``auto``), its config, and what is off."""
+
+    name: str
+    proposer: str = "auto"
+    config: SelectionConfig = field(default_factory=SelectionConfig)
+    k_cap: bool = True  # the router's k caps trees without path probabilities
+    patches: tuple[tuple[object, str, object], ...] = ()  # (owner, attribute, value) while it runs
+
+
+@dataclass
+class Row:
+    """One request in flight in the batched replay."""
+
+    prompt: BenchPrompt
+    output: list[int]
+    proposer: str = "none"
+    prop: Replayed | None = None
+    state: RequestSpeculation = field(default_factory=RequestSpeculation)
+    pos: int = 0
+    steps: int = 0
+    cost: float = 0.0  # its share of the steps it ran in (cost / rows), in 1-row plain steps
+    tokens: int = 0
+    had: set[str] = field(default_factory=set)  # proposers it had streams with
+
+
+def auto_replay(
+    variant: Variant,
+    measured: list[tuple[BenchPrompt, Recorded]],
+    make: Callable[[str, list[int]], Replayed],
+    learn: Callable[[list[int], list[int]], None],
+    cost: StepCost,
+    slots: int,
+    tag: bool,
+    primed: tuple[dict, float] = ({}, 0.0),
+) -> tuple[dict[str, float], tuple[dict, float]]:
+    """Every measured prompt through ``slots`` continuous batch slots (a finished request's slot
+    takes the next at the next step), the verifier's speculation control in miniature: the router's
+    first decision (batch = running + 1), its k as a cap on trees without path probabilities, the
+    packed width gate over the batch, shadow walks, the statistics recorded per step as the
+    engine records them (in-process backend, decayed on a clock of modelled seconds); a request keeps
+    its first proposer and k. ``primed``: the statistics' table and clock to start from.
+    Returns (row id → tokens per unit of cost (1-row plain steps), the table and clock at the end)."""
+    clock = [primed[1]]
+    stats = InProcessStats(StatsConfig(), clock=lambda: clock[0])
+    stats._table.rows = dict(primed[0])
+    names = ("ngram", "suffix")
+    step_time = lambda rows, width, widest=None: cost(rows, width, widest) * PLAIN_S  # noqa: E731
+    router = Router(stats, "m", names, PolicyStore(names), step_time, variant.config)
+    limits = ProposerLimits(vocab_size=1 << 20, max_nodes=NODES, max_depth=DEPTH)
+    queue, running, out = list(measured), [], {}
+
+    def open_(row: Row, name: str, tag_: str) -> None:
+        if row.prop is not None:
+            row.prop.close()
+        row.had.add(name)
+        row.proposer, row.prop = name, make(name, [*row.prompt.token_ids, *row.output[: row.pos]])
+        row.state = RequestSpeculation.start(None, row.state.k_cap, router.estimate(name, tag_))
+
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in variant.patches]
+    for owner, attr, value in variant.patches:
+        setattr(owner, attr, value)
+    try:
+        while queue or running:
+            while queue and len(running) < slots:
+                prompt, rec = queue.pop(0)
+                row = Row(prompt, rec.token_ids)
+                t = prompt.category if tag else ""
+                d = router.decide(variant.proposer, t, 0, len(running) + 1)
+                row.state.k_cap = d.k if d.k > 0 and variant.k_cap else None
+                open_(row, d.proposer, t)
+                running.append(row)
+            trees, offered = [], []
+            for row in running:
+                st = row.state
+                st.gated_out = False
+                o = row.prop.propose()
+                st.offered = o if ended_by_proposer(o, limits) else None
+                st.had_tree = len(o) > 0
+                offered.append(o)
+                trees.append(truncate(o, st.k_cap) if st.k_cap is not None and st.k_cap < len(o) and not o.probs else o)
+            rows = len(running)
+            widths = choose_widths(
+                [r.state.expected(t) for r, t in zip(running, trees, strict=True)], cost, packed=True
+            )
+            for i, (row, w) in enumerate(zip(running, widths, strict=True)):
+                if len(trees[i]) > w - 1:
+                    if w == 1:
+                        row.state.gated_out = bool(trees[i].probs)
+                        if row.state.shadow is None:
+                            row.state.shadow = Shadow(trees[i], row.state.complete(trees[i]))
+                    trees[i] = truncate(trees[i], w - 1)
+            total = sum(1 + len(t) for t in trees)
+            seconds = cost(rows, total / rows, max(1 + len(t) for t in trees))
+            clock[0] += seconds * PLAIN_S
+            samples: dict[tuple[str, str], AcceptanceStats] = {}
+
+            def add(key: tuple[str, str], sample: AcceptanceStats, into: dict = samples) -> None:
+                into[key] = into[key] + sample if key in into else sample
+
+            for row, tree in zip(running, trees, strict=True):
+                st, t = row.state, row.prompt.category if tag else ""
+                key, levels = (row.proposer, t), 0
+                if len(tree):
+                    _, levels, outcome = follow(tree, 0, row.output[row.pos :])
+                    rejected = bool(outcome)
+                    ended = not rejected and st.complete(tree)
+                    st.observe(levels, rejected, ended, tree)
+                    st.shadow = None
+                    add(key, AcceptanceStats.of_step(len(tree), levels, rejected, 0.0, ended))
+                elif (st.offered is not None and not len(st.offered)) or st.gated_out:
+                    st.estimate.observe_no_tree()
+                    add(key, AcceptanceStats.no_tree())
+                emitted = row.output[row.pos : row.pos + levels + 1]
+                add(key, AcceptanceStats.served(len(emitted), len(tree), seconds * PLAIN_S, rows, tree=st.had_tree))
+                if st.shadow is not None and not len(tree):
+                    shadow = st.follow_shadow(emitted)
+                    if shadow is not None:
+                        add(key, shadow)
+                row.prop.extend(emitted)
+                row.pos += len(emitted)
+                row.steps += 1
+                row.cost += seconds / rows
+                row.tokens += len(emitted)
+            for (name, t), sample in samples.items():
+                router.record(name, t, sample)
+            for row in list(running):
+                if row.pos >= len(row.output):
+                    running.remove(row)
+                    row.prop.close()
+                    if "suffix" not in row.had:  # the suffix tier learns every output (Learn)
+                        learn(list(row.prompt.token_ids), row.output)
+                    out[row.prompt.row_id] = row.tokens / row.cost
+    finally:
+        for owner, attr, value in saved:
+            setattr(owner, attr, value)
+    return out, (dict(stats._table.rows), clock[0])
+
+
+def interval(ratios: list[float], seed: int = 0, draws: int = 4000) -> tuple[float, float, float]:
+    """Geometric mean of paired ratios and its 95 % bootstrap interval (requests resampled)."""
+    logs = np.log(np.asarray(ratios))
+    rng = np.random.default_rng(seed)
+    boot = logs[rng.integers(0, len(logs), (draws, len(logs)))].mean(axis=1)
+    lo, hi = np.quantile(boot, [0.025, 0.975])
+    return float(np.exp(logs.mean())), float(np.exp(lo)), float(np.exp(hi))
+
+
+_served_in = AcceptanceStats.served_in
+
+
+def variants() -> list[Variant]:
+    """The router as it is, the fixed proposers, and each remaining mechanism switched off. (The
+    mechanisms this ablation deleted, docs/bench/router-ablation, left with their variants.)"""
+    from specmesh_router import selection as sel
+
+    base = SelectionConfig()
+    return [
+        Variant("full router (auto)"),
+        Variant("fixed suffix", proposer="suffix"),
+        Variant("fixed ngram", proposer="ngram"),
+        Variant("no optimism (ucb_c = 0)", config=replace(base, ucb_c=0.0)),
+        Variant("no served ranking (α model ranks)", config=replace(base, min_served_steps=math.inf)),
+        Variant(
+            "served pooled over batch sizes",
+            patches=(
+                (AcceptanceStats, "served_in", lambda self, bucket=None: _served_in(self, None)),
+                (sel, "ranking_rows", lambda evidence, min_steps, rows: rows),
+            ),
+        ),
+        Variant("no k cap", k_cap=False),
+        Variant("fixed ngram, no k cap", proposer="ngram", k_cap=False),
+    ]
+
+
+def ablate(
+    measured: list[tuple[BenchPrompt, Recorded]],
+    warmed: list[tuple[BenchPrompt, list[int]]],
+    cost: StepCost,
+    slots: int,
+    tag: bool,
+    prime: int,
+) -> None:
+    def cached() -> SuffixCache:
+        cache = SuffixCache(SuffixConfig(), background=False)
+        for w, ids in warmed:
+            cache.learn("measured", list(w.token_ids), ids)
+        return cache
+
+    def run(v: Variant, primed: tuple[dict, float]) -> tuple[dict[str, float], tuple[dict, float]]:
+        cache = cached()  # each run starts from the warm-up's cache, learning its own outputs
+
+        def make(name: str, ctx: list[int]) -> Replayed:
+            return SuffixReplay(ctx, cache, "measured") if name == "suffix" else NgramReplay(ctx)
+
+        def learn(prompt: list[int], output: list[int]) -> None:
+            cache.learn("measured", prompt, output)
+
+        return auto_replay(v, measured, make, learn, cost, slots if v.name != "prime" else prime, tag, primed)
+
+    # As in a bench, the fixed blocks run before `auto`: the router starts from their statistics.
+    primed: tuple[dict, float] = ({}, 0.0)
+    if prime:
+        for name in ("ngram", "suffix"):
+            primed = run(Variant("prime", proposer=name), primed)[1]
+    results = {v.name: run(v, primed)[0] for v in variants()}
+    full, suffix, ngram = (results[n] for n in ("full router (auto)", "fixed suffix", "fixed ngram"))
+    rows = list(full)
+    stats = f"primed by fixed blocks at {prime} slot(s)" if prime else "cold statistics"
+    print(f"\n## auto at {slots} slot(s), {stats}: tokens per unit cost, paired per request (n={len(rows)}), 95 % CI")
+    print("| variant | vs full router | vs fixed suffix | vs fixed ngram |")
+    print("|---|---|---|---|")
+    for name, res in results.items():
+        cells = []
+        for ref in (full, suffix, ngram):
+            g, lo, hi = interval([res[r] / ref[r] for r in rows])
+            cells.append(f"{g:.3f} ({lo:.3f}–{hi:.3f})")
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
 @dataclass(frozen=True)
 class Recorded:
     """One prompt's plain decoding as a bench recorded it."""
@@ -298,6 +527,16 @@ def main(argv: list[str] | None = None) -> None:
         default=True,
         help="charge each request its recorded time to first token (as the bench's tokens/s does)",
     )
+    p.add_argument("--auto", action="store_true", help="replay `auto` (the router) and its ablation instead")
+    p.add_argument("--slots", default="1,8", help="--auto: batch slots to replay at (continuous batching)")
+    p.add_argument(
+        "--prime",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--auto: the router's statistics start from fixed ngram and suffix blocks (as in a bench)",
+    )
+    p.add_argument("--prime-slots", type=int, default=0, help="--auto: slots of the priming blocks (0: as measured)")
+    p.add_argument("--tag", action="store_true", help="--auto: each request's category as its workload tag")
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -325,6 +564,14 @@ def main(argv: list[str] | None = None) -> None:
             cache.learn("measured", list(w.token_ids), ids)
         return cache
 
+    if a.auto:
+        print(
+            f"# spec_replay --auto: {len(measured)} prompts, {len(warmed)} cached outputs; cost {a.widths} = {a.cost}"
+        )
+        print("# decode only (no prefill); k rows cost like one row of k x the width (StepCost.by_tokens)")
+        for slots in map(int, a.slots.split(",")):
+            ablate(measured, warmed, cost, slots, a.tag, (a.prime_slots or slots) if a.prime else 0)
+        return
     suffix_cache, merged_cache, ngram_depths = cached(), cached(), DepthAcceptance()
     runs = {
         "ngram": run_mode("ngram", lambda ctx, scope: NgramReplay(ctx), measured, cost, a.prefill),

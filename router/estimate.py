@@ -7,8 +7,8 @@ serves every decision:
   proposer a :class:`Posterior` (:func:`posterior`): what the router knows before a request starts;
 - a request's :class:`RequestEstimate` starts from that posterior's means and adds the request's
   own decayed evidence, every verified tree and every skipped tree scored against the emitted
-  tokens. Its posterior feeds the router's k when the request is revisited, and its means feed
-  the verifier's per-step width gate (``expected_accepted`` over the tree's depth).
+  tokens. Its means feed the verifier's per-step width gate (``expected_accepted`` over the
+  tree's depth).
 
 Evidence is censored: a path accepted to the end of a (cut) tree counts no miss at the next
 depth, so cutting trees never biases the estimate down.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from specmesh_router.stats import BATCH_BUCKETS, MAX_POSITIONS, AcceptanceStats, batch_bucket, one_at, value_at
 
@@ -33,7 +33,7 @@ class Served:
 
     >>> s = AcceptanceStats.served(3, 6, 0.08) + AcceptanceStats.served(1, 0, 0.06)
     >>> Served.of(s, min_steps=2, rows=1)
-    Served(tokens=2.0, nodes=3.0, seconds=0.07, steps=2.0, trees=0.5, rows=1)
+    Served(tokens=2.0, nodes=3.0, seconds=0.07, steps=2.0, rows=1)
     >>> Served.of(s, min_steps=2, rows=8) is None    # nothing served in batches of 8
     True
     >>> Served.of(AcceptanceStats.served(3, 6, 0.08), min_steps=2, rows=1) is None    # too little to go by
@@ -44,45 +44,16 @@ class Served:
     nodes: float
     seconds: float
     steps: float  # decayed steps behind the means
-    trees: float = 1.0  # share of those steps the proposer had a tree for (verified or cut by the gate)
     rows: int = 1  # a batch size of the bucket they were measured in
 
     @classmethod
     def of(cls, stats: AcceptanceStats | None, min_steps: float, rows: int) -> Served | None:
         if stats is None:
             return None
-        n, tokens, nodes, trees, seconds = stats.served_in(batch_bucket(rows))
+        n, tokens, nodes, _, seconds = stats.served_in(batch_bucket(rows))
         if n < min_steps or n <= 0:
             return None
-        return cls(tokens / n, nodes / n, seconds / n, n, trees / n, rows)
-
-    def at_coverage(self, trees: float, plain_s: float) -> Served:
-        """What the proposer serves a request it has a tree for at share ``trees`` of its steps: a
-        step without one emits 1 token for a plain step (``plain_s``), so only the part above that
-        scales, by trees / self.trees:
-
-            tokens' = 1 + (tokens - 1) · r,   seconds' = plain_s + (seconds - plain_s) · r
-
-        How often a proposer has a tree is what a request tells apart from the others' average and
-        knows its own (prompt lookup finds nothing to copy in a prompt with nothing to copy); how
-        hard its text is, it cannot: that would lower every proposer alike.
-
-        >>> s = Served(tokens=3.0, nodes=8.0, seconds=0.05, steps=500.0, trees=0.8)
-        >>> t = s.at_coverage(0.2, plain_s=0.04)    # a request whose trees come a quarter as often
-        >>> round(t.tokens, 2), round(t.seconds, 4), round(s.tokens / s.seconds), round(t.tokens / t.seconds)
-        (1.5, 0.0425, 60, 35)
-        """
-        if self.trees <= 0:
-            return self
-        r = trees / self.trees
-        plain_s = min(plain_s, self.seconds)
-        return replace(
-            self,
-            tokens=1.0 + (self.tokens - 1.0) * r,
-            nodes=self.nodes * r,
-            seconds=plain_s + (self.seconds - plain_s) * r,
-            trees=trees,
-        )
+        return cls(tokens / n, nodes / n, seconds / n, n, rows)
 
 
 def ranking_rows(evidence: Sequence[Sequence[AcceptanceStats | None]], min_steps: float, rows: int) -> int:
@@ -225,8 +196,6 @@ class RequestEstimate:
     keep: float = 0.7  # weight left to older evidence (and the prior) per observation
     seen: AcceptanceStats = field(default_factory=AcceptanceStats)
     weight: float = field(init=False)  # the prior's current weight
-    steps: int = 0  # steps the request spent on the proposer, with a tree or not
-    trees: int = 0  # of those, steps it had a tree for (verified or cut by the gate)
 
     def __post_init__(self) -> None:
         self.weight = self.strength
@@ -244,54 +213,18 @@ class RequestEstimate:
         per-depth evidence (the gate's α's say what a tree is worth when there is one)."""
         self.seen = self.seen + AcceptanceStats.no_tree()
 
-    def count_step(self, tree: bool) -> None:
-        """A step the request spent on the proposer: ``tree`` if the proposer had one for it (verified
-        or cut by the gate: a cut says how dear the batch's step is, not what the proposer can do)."""
-        self.steps += 1
-        self.trees += tree
-
-    def served(self, base: Posterior, plain_s: float, weight: float = 8.0) -> Posterior:
-        """``base`` (the shared posterior of the same proposer) with its measured figures at this
-        request's share of steps it had a tree for (``Served.at_coverage``), that share shrunk toward
-        the shared one by ``weight`` steps.
-
-        >>> base = Posterior("ngram", (4.0,), (4.0,), served=Served(3.0, 8.0, 0.05, 500.0, trees=0.8))
-        >>> est = RequestEstimate((0.5,))
-        >>> for tree in [True] + [False] * 11:    # one tree in 12 steps: nothing in the prompt to copy
-        ...     est.count_step(tree)
-        >>> round(est.served(base, plain_s=0.04).served.trees, 2)
-        0.37
-        """
-        if base.served is None or not self.steps:
-            return base
-        trees = (self.trees + weight * base.served.trees) / (self.steps + weight)
-        return replace(base, served=base.served.at_coverage(trees, plain_s))
-
-    def posterior(self, base: Posterior, depth: int) -> Posterior:
-        """This request's Beta per depth for the router's k, the ends of the proposer's trees
-        counted as misses (wait and evidence from ``base``, the shared posterior of the same
-        proposer). No ``served``: the request's own model, not what the proposer did for others."""
-        a, b = self._beta(depth, count_ends=True)
-        return replace(base, a=tuple(a), b=tuple(b), coverage=self.seen.coverage, served=None)
-
     def alphas(self, depth: int) -> list[float]:
         """Posterior mean α per depth 1 … ``depth`` (at most ``MAX_ALPHA``), given a node is there:
         what the width gate prices a tree it holds by."""
-        a, b = self._beta(depth, count_ends=False)
-        return [min(x / (x + y), MAX_ALPHA) for x, y in zip(a, b, strict=True)]
-
-    def _beta(self, depth: int, count_ends: bool) -> tuple[list[float], list[float]]:
-        w = self.weight
-        a: list[float] = []
-        b: list[float] = []
+        w, out = self.weight, []
         mean = self.prior[0]
         for d in range(depth):
             mean = self.prior[d] if d < len(self.prior) else mean
-            hits, trials = value_at(self.seen.hits, d), _trials(self.seen, d, count_ends)
-            a.append(mean * w + hits)
-            b.append((1 - mean) * w + max(trials - hits, 0.0))
-            mean = a[-1] / (a[-1] + b[-1]) if a[-1] + b[-1] > 0 else mean
-        return a, b
+            hits, trials = value_at(self.seen.hits, d), value_at(self.seen.trials, d)
+            a, b = mean * w + hits, (1 - mean) * w + max(trials - hits, 0.0)
+            mean = a / (a + b) if a + b > 0 else mean
+            out.append(min(mean, MAX_ALPHA))
+        return out
 
 
 def expected_accepted(alphas: Sequence[float]) -> list[float]:

@@ -93,37 +93,20 @@ class AcceptanceStats:
 
     def __add__(self, other: AcceptanceStats) -> AcceptanceStats:
         return AcceptanceStats(
-            self.steps + other.steps,
-            self.drafted + other.drafted,
-            self.accepted + other.accepted,
-            self.proposer_s + other.proposer_s,
-            _add(self.hits, other.hits),
-            _add(self.trials, other.trials),
-            _add(self.ends, other.ends),
-            _add(self.served_steps, other.served_steps),
-            _add(self.served_tokens, other.served_tokens),
-            _add(self.served_nodes, other.served_nodes),
-            _add(self.served_trees, other.served_trees),
-            _add(self.served_s, other.served_s),
+            *(x + y for x, y in zip(self._scalars(), other._scalars(), strict=True)),
+            *(_add(x, y) for x, y in zip(self._tuples(), other._tuples(), strict=True)),
         )
 
     def scaled(self, f: float) -> AcceptanceStats:
         if f == 1.0:
             return self
-        return AcceptanceStats(
-            self.steps * f,
-            self.drafted * f,
-            self.accepted * f,
-            self.proposer_s * f,
-            tuple(x * f for x in self.hits),
-            tuple(x * f for x in self.trials),
-            tuple(x * f for x in self.ends),
-            tuple(x * f for x in self.served_steps),
-            tuple(x * f for x in self.served_tokens),
-            tuple(x * f for x in self.served_nodes),
-            tuple(x * f for x in self.served_trees),
-            tuple(x * f for x in self.served_s),
-        )
+        return AcceptanceStats(*(x * f for x in self._scalars()), *(tuple(v * f for v in x) for x in self._tuples()))
+
+    def _scalars(self) -> tuple[float, ...]:
+        return self.steps, self.drafted, self.accepted, self.proposer_s
+
+    def _tuples(self) -> tuple[tuple[float, ...], ...]:  # in field order, after the scalars
+        return (self.hits, self.trials, self.ends, *(getattr(self, name) for name in SERVED_FIELDS))
 
     @classmethod
     def served(

@@ -32,7 +32,6 @@ class VerifierConfig:
     redis_url: str = ""  # shared router statistics; "" = in this process only
     stats_prefix: str = "specmesh:stats"
     stats_half_life_s: float = 300.0
-    exploration: str = "thompson"
     metrics_port: int = 0  # Prometheus /metrics; 0 = off
     metrics_address: str = ""  # /metrics host; "" = the host of `address`
     metrics_tags: tuple[str, ...] = ()  # workload tags exported as labels; the rest are "other"
@@ -132,13 +131,6 @@ def build_flags() -> ServiceFlags:
         float,
         "seconds after which a statistic counts half (the router follows drift)",
         minimum=1e-3,
-    )
-    f.add(
-        "--exploration",
-        "thompson",
-        str,
-        "how the router tries proposers whose statistics are uncertain",
-        choices=["thompson", "ucb", "greedy"],
     )
     f.add("--metrics-port", 0, int, "Prometheus /metrics port; 0 = off", minimum=0)
     f.add("--metrics-address", "", str, "host /metrics listens on (empty: the host of --address)", metavar="HOST")
@@ -252,7 +244,6 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         redis_url=a.redis_url,
         stats_prefix=a.stats_prefix,
         stats_half_life_s=a.stats_half_life,
-        exploration=a.exploration,
         metrics_port=a.metrics_port,
         metrics_address=a.metrics_address,
         metrics_tags=tuple(dict.fromkeys(t.strip() for t in a.metrics_tags.split(",") if t.strip())),

@@ -331,7 +331,6 @@ class Engine:
             before = len(seq.output)
             self._append(seq, tokens, lp)
             self.speculation.emitted(seq, seq.output[before:], state)
-        self.speculation.redecide_due(seqs)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Add accepted tokens, stream them, and finish the request when a limit is hit."""

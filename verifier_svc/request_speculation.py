@@ -55,8 +55,8 @@ class ProposerSession(Protocol):
     def close(self) -> None: ...
 
 
-# (request, proposer name, context) → a new stream, or None where that proposer is not configured.
-SessionFactory = Callable[[GenerationRequest, str, list[int]], ProposerSession | None]
+# (request, proposer name) → a new stream, or None where that proposer is not configured.
+SessionFactory = Callable[[GenerationRequest, str], ProposerSession | None]
 
 
 @dataclass
@@ -111,7 +111,6 @@ class RequestSpeculation:
     trust: Trust = field(default_factory=Trust)  # for trees with path probabilities
     shadow: Shadow | None = None
     k_cap: int | None = None  # the router's draft tokens per step; None: no cap
-    failed_proposers: set[str] = field(default_factory=set)
     # This step's tree as the proposer sent it, where the proposer ended it within the verifier's
     # budget (empty: it had none); None: no tree, or one the budget may have cut.
     offered: TokenTree | None = None

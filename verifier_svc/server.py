@@ -54,8 +54,7 @@ async def run(config: VerifierConfig) -> None:
     )
     # Without a measured cost (no proposers, or --spec-gating always) every k costs alike: speculate.
     step_time = step_cost if step_cost is not None else (lambda rows, width: 1.0)
-    selection = SelectionConfig(exploration=config.exploration)
-    router = Router(stats, lm.name, config.auto_proposers or names, policy, step_time, selection)
+    router = Router(stats, lm.name, config.auto_proposers or names, policy, step_time, SelectionConfig())
     metrics = VerifierMetrics(model=lm.name, proposers=names)
     # One channel per proposer tier; dns:/// names of headless services balance across replicas.
     local = tuple(name for name, addr in config.proposers if inprocess_kind(addr))

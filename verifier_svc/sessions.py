@@ -1,7 +1,6 @@
 """Opening one request's proposer: a gRPC ``Propose`` stream to a proposer tier, or the in-process
 n-gram proposer. :meth:`SessionOpener.open` is the speculation control's
-``request_speculation.SessionFactory``: it opens each request's first stream and those of its
-mid-request switches."""
+``request_speculation.SessionFactory``."""
 
 from __future__ import annotations
 
@@ -47,11 +46,8 @@ class SessionOpener:
         self.loop, self.arrived = loop, arrived  # arrived: notified whenever a tree lands
         self.max_tree_nodes, self.vocab_size = max_tree_nodes, vocab_size
 
-    def open(
-        self, req: GenerationRequest, proposer: str, context: list[int] | None = None
-    ) -> GrpcProposerSession | LocalProposerSession | None:
-        """A proposer stream for ``req`` starting at ``context`` (default: the prompt), or None where
-        ``proposer`` is not configured. Any thread."""
+    def open(self, req: GenerationRequest, proposer: str) -> GrpcProposerSession | LocalProposerSession | None:
+        """A proposer stream for ``req`` from its prompt, or None where ``proposer`` is not configured."""
         if proposer not in self.tiers:
             return None
         policy = self.policy.get()
@@ -60,7 +56,7 @@ class SessionOpener:
         if policy.num_speculative_tokens:
             depth = min(depth, policy.num_speculative_tokens)
         nodes = min(nodes, self.max_tree_nodes)
-        context = list(req.prompt_ids) if context is None else context
+        context = list(req.prompt_ids)
         limits = ProposerLimits(vocab_size=self.vocab_size, max_nodes=nodes, max_depth=depth)
         if proposer in self.tiers.local:
             return LocalProposerSession(proposer, context, limits, self.arrived)

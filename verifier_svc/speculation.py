@@ -15,8 +15,10 @@ per request:
   nothing: plain decoding this step), from that estimate, or, for trees that carry the proposer's
   path probabilities, from those probabilities scaled by how well they have held for this request
   (``Trust``);
-- every ``redecide_steps`` steps the router revisits the proposer and k from the same estimate (a
-  new proposer's stream opens with a fresh estimate from the shared statistics).
+- the router's k, chosen at the start, caps the request's chain-model trees.
+
+A request keeps the proposer it started with: re-deciding mid-request (switching proposers, or
+refreshing k) measurably paid nothing (``docs/bench/router-ablation``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from specmesh_router.estimate import expected_accepted
 from specmesh_router.stats import AcceptanceStats
 from specmesh_server import hidden as hidden_states
 from specmesh_server.tree import TokenTree, truncate
-from verifier_svc.events import ProposerCounts
 from verifier_svc.proposer_client import GrpcProposerSession, wait_for_trees
 from verifier_svc.request_speculation import RequestSpeculation, SessionFactory, Shadow, ended_by_proposer
 from verifier_svc.requests import GenerationRequest
@@ -59,7 +60,6 @@ OutputHook = Callable[[GenerationRequest, list[int], Collection[str]], None]
 class SpeculationConfig:
     proposer_wait_ms: float = 5.0  # per step, the longest wait for a request's tree
     proposer_timeout_s: float = 2.0  # no answer for this long → speculation off for the request
-    redecide_steps: int = 8  # the router revisits a request's proposer and k this often (steps)
     recent_tokens: int = 32  # how far a late tree may be re-rooted (greedy requests)
     packed_steps: bool = True  # steps hold real tokens only (each row pays for its own tree): the gate sizes rows apart
 
@@ -77,7 +77,7 @@ class SpeculationControl:
 
     ``router``: picks the proposer and k (None: requests run plain unless given a state).
     ``step_cost``: None verifies every tree, else trees are cut where they do not pay.
-    ``open_session``: opens a proposer stream (the first one and those of mid-request switches).
+    ``open_session``: opens a request's proposer stream.
     ``trees_arrived``: the condition proposer sessions notify when a tree lands.
     ``learn``: told every finished request's output (``learning.OutputLearning.finished``).
     """
@@ -112,7 +112,7 @@ class SpeculationControl:
             self.metrics.decision(d.proposer, d.speculate)
         # Why this request runs without speculation, unless the client asked for exactly that.
         why_plain = d.reason if d.proposer == "none" and params.proposer != "none" else ""
-        session = self.open_session(req, d.proposer, list(req.prompt_ids)) if self.open_session else None
+        session = self.open_session(req, d.proposer) if self.open_session else None
         if isinstance(session, GrpcProposerSession) and params.proposer == d.proposer:  # named by the client
             try:
                 with contextlib.suppress(TimeoutError):  # slow → no wait
@@ -252,7 +252,6 @@ class SpeculationControl:
                     len(emitted), len(tree), seconds + self.last_wait, len(seqs), tree=state.had_tree
                 )
                 add(samples, key, served)
-                state.estimate.count_step(state.had_tree)
             if state.shadow is not None and not len(tree):
                 shadow = state.follow_shadow(emitted)
                 if shadow is not None:
@@ -299,43 +298,6 @@ class SpeculationControl:
         if state.session is not None and not seq.done and tokens:
             state.session.advance(tokens, hidden)
 
-    def redecide_due(self, seqs: list[Sequence]) -> None:
-        """Every ``redecide_steps`` steps of a request, the router revisits its proposer and k."""
-        if self.router is None:
-            return
-        for seq in seqs:
-            if not seq.done and seq.req.spec_params.proposer != "none" and seq.steps % self.config.redecide_steps == 0:
-                self._redecide(seq, len(seqs))
-
-    def _redecide(self, seq: Sequence, batch: int) -> None:
-        """A new proposer's stream starts lazily; its prior α comes from the shared statistics."""
-        assert self.router is not None
-        params, state = seq.req.spec_params, seq.speculation
-        current = state.counters.proposer if state.session is not None else None
-        d = self.router.decide(
-            params.proposer,
-            params.workload_tag,
-            params.num_speculative_tokens,
-            batch,
-            current,
-            params.unservable,
-            estimate=state.estimate if current is not None else None,
-        )
-        if self.metrics is not None:
-            self.metrics.decision(d.proposer, d.speculate)
-        state.k_cap = cap_of(d.k) if self.step_cost is not None else None  # --spec-gating always: no cap
-        if d.proposer in ("none", current) or d.proposer in state.failed_proposers or self.open_session is None:
-            return
-        new = self.open_session(seq.req, d.proposer, [*seq.req.prompt_ids, *seq.output])
-        if new is None:
-            return
-        self._end(state)
-        log.info("request %s: proposer %s → %s", seq.req.request_id, current or "none", d.proposer)
-        state.session, state.counters.proposer = new, d.proposer
-        state.counters.per_proposer.setdefault(d.proposer, ProposerCounts())
-        state.last_tree, state.shadow = time.perf_counter(), None
-        state.estimate = self.router.estimate(d.proposer, params.workload_tag)
-
     # --- session lifecycle ----------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:
         """The request finished: End its stream, and the proposers it had streams with learn its output."""
@@ -350,10 +312,8 @@ class SpeculationControl:
     def _drop(self, state: RequestSpeculation, reason: str) -> None:
         """The proposer failed the request: plain decoding from now on, and why."""
         state.counters.fallback_reason = reason
-        if state.session is not None:
-            state.failed_proposers.add(state.session.name)
-            if self.metrics is not None:
-                self.metrics.fallback(state.session.name, reason)
+        if state.session is not None and self.metrics is not None:
+            self.metrics.fallback(state.session.name, reason)
         self._end(state, reason)
 
     def _end(self, state: RequestSpeculation, failure: str | None = None) -> None:

@@ -42,24 +42,22 @@ def feed(router: Router, clock, rng: random.Random, alpha: dict[str, float], tag
 
 
 def closed_loop(router: Router, clock, rng, alpha: dict[str, float], tag: str, steps: int, batch: int = 1):
-    """The engine's loop in miniature: decide, then only the chosen proposer's stream yields a sample
-    (verified at k, or shadow-verified as an 8-token draft when k = 0)."""
+    """The engine's loop in miniature: each step a new request, then only the chosen proposer's stream
+    yields a sample (verified at k, or shadow-verified as an 8-token draft when k = 0)."""
     decisions = []
-    current = None
     for _ in range(steps):
-        d = router.decide("auto", tag, batch=batch, current=current)
+        d = router.decide("auto", tag, batch=batch)
         decisions.append(d)
-        current = d.proposer
         if d.proposer != "none":
             router.record(d.proposer, tag, scripted_step(rng, alpha[d.proposer], d.k or 8))
         clock.advance(0.1)
     return decisions
 
 
-def test_picks_ngram_on_copy_heavy_traffic_switches_when_acceptance_changes_and_notices_recovery(clock):
+def test_picks_ngram_on_copy_heavy_traffic_moves_when_acceptance_changes_and_notices_recovery(clock):
     """Three regimes of 60-90 s each (half-life 20 s). Thresholds hold for 30 (seed, stream) pairs;
     the shortfall from 100 is exploration and the lag of decayed statistics."""
-    router = make_router(clock)  # Thompson sampling, seeded
+    router = make_router(clock)  # UCB: optimism that shrinks with evidence
     rng = random.Random(1)
 
     def share(decisions, name: str, min_k: int) -> int:
@@ -89,10 +87,10 @@ def test_speculation_turns_off_when_acceptance_is_poor_everywhere(clock):
 
 
 def test_chooses_k_zero_when_verification_cost_at_the_batch_size_outweighs_acceptance(clock):
-    router = make_router(clock, exploration="greedy")
+    router = make_router(clock, ucb_c=0.0)
     feed(router, clock, random.Random(3), {"ngram": 0.7}, "qa", 300)
     alone = router.decide("auto", "qa", batch=1)
-    assert alone.proposer == "ngram" and alone.k >= 2 and alone.goodput > alone.baseline
+    assert alone.proposer == "ngram" and alone.k >= 2 and alone.goodput > 1 / CPU(1, 1)
     loaded = router.decide("auto", "qa", batch=64)
     assert loaded.k == 0 and not loaded.speculate and "batch 64" in loaded.reason
     assert loaded.proposer == "ngram"  # the stream may stay open: shadow statistics keep flowing
@@ -102,7 +100,7 @@ def test_chooses_k_zero_when_verification_cost_at_the_batch_size_outweighs_accep
 
 
 def test_client_overrides_and_policy_are_obeyed(clock):
-    router = make_router(clock, exploration="greedy")
+    router = make_router(clock, ucb_c=0.0)
     feed(router, clock, random.Random(4), {"ngram": 0.9, "draft": 0.1}, "code", 300)
     assert router.decide("auto", "code").proposer == "ngram"
     off = router.decide("none", "code")
@@ -122,40 +120,19 @@ def test_client_overrides_and_policy_are_obeyed(clock):
 
 
 def test_tagged_statistics_fall_back_to_the_pooled_ones_for_a_new_tag(clock):
-    router = make_router(clock, exploration="greedy")
+    router = make_router(clock, ucb_c=0.0)
     feed(router, clock, random.Random(5), {"ngram": 0.9, "draft": 0.3}, "code", 300)
     fresh = router.decide("auto", "never-seen-tag")
     assert fresh.proposer == "ngram" and fresh.k >= 4
     assert router.estimate("ngram", "never-seen-tag").alphas(1)[0] > 0.8
 
 
-def test_mid_request_switch_needs_a_clear_margin():
-    cfg = SelectionConfig(exploration="greedy", switch_margin=0.05)
-    step_time = CPU
-    a = Posterior("ngram", (8.1,) * 8, (1.9,) * 8)  # α = 0.81: ~3% more goodput
-    b = Posterior("draft", (8.0,) * 8, (2.0,) * 8)  # α = 0.80: a little worse
-    assert choose([a, b], step_time, 1, 8, cfg).proposer == "ngram"
-    assert choose([a, b], step_time, 1, 8, cfg, current="draft").proposer == "draft"  # not worth a new stream
-    c = Posterior("ngram", (9.5,) * 8, (0.5,) * 8)  # α = 0.95: clearly better
-    assert choose([c, b], step_time, 1, 8, cfg, current="draft").proposer == "ngram"
-
-
-def test_thompson_sampling_is_reproducible_with_a_seed(clock):
-    runs = []
-    for _ in range(2):
-        router = make_router(clock, seed=7)
-        feed(router, clock, random.Random(6), {"ngram": 0.6, "draft": 0.6}, "mix", 50)
-        runs.append([(d.proposer, d.k) for d in (router.decide("auto", "mix") for _ in range(30))])
-    assert runs[0] == runs[1]
-    assert len(set(runs[0])) > 1  # it does explore
-
-
-def test_ucb_tries_an_unproven_proposer_and_greedy_does_not():
+def test_ucb_tries_an_unproven_proposer_and_the_means_alone_do_not():
     step_time = CPU
     proven = Posterior("ngram", (61.0,) * 8, (41.0,) * 8, evidence=100.0)  # α = 0.6, well known
     unknown = Posterior("draft", (1.0,) * 8, (1.0,) * 8)  # the prior only
-    ucb = choose([proven, unknown], step_time, 1, 8, SelectionConfig(exploration="ucb"))
-    greedy = choose([proven, unknown], step_time, 1, 8, SelectionConfig(exploration="greedy"))
+    ucb = choose([proven, unknown], step_time, 1, 8, SelectionConfig())
+    greedy = choose([proven, unknown], step_time, 1, 8, SelectionConfig(ucb_c=0.0))
     assert ucb.proposer == "draft" and greedy.proposer == "ngram"
 
 
@@ -182,7 +159,7 @@ def proposer_step(rng: random.Random, alpha: float, depth: int, coverage: float)
 def test_the_router_credits_a_proposer_only_with_what_its_trees_can_deliver_per_step(clock, good, poor, why):
     """Where a proposer's trees end by themselves, or it has none, is a miss for the router; the
     conditional α's alone (the gate's view: ``count_ends=False``) pick the wrong proposer here."""
-    router = make_router(clock, exploration="greedy")
+    router = make_router(clock, ucb_c=0.0)
     rng = random.Random(11)
     for _ in range(400):
         for name, alpha, depth, cover in (good, poor):
@@ -190,49 +167,10 @@ def test_the_router_credits_a_proposer_only_with_what_its_trees_can_deliver_per_
         clock.advance(0.05)
     assert router.decide("auto", "chat").proposer == good[0], why
     conditional = router.posteriors(["ngram", "draft"], "chat", 32, count_ends=False)
-    fooled = choose([replace(p, coverage=1.0) for p in conditional], CPU, 1, 32, SelectionConfig(exploration="greedy"))
+    fooled = choose([replace(p, coverage=1.0) for p in conditional], CPU, 1, 32, SelectionConfig(ucb_c=0.0))
     assert fooled.proposer == poor[0]
     # The gate's estimate for a request stays conditional: a tree that is there is worth its α.
     assert router.estimate(poor[0], "chat").alphas(1)[0] > 0.85
-
-
-def test_unknown_exploration_mode_is_refused():
-    with pytest.raises(ValueError, match="exploration"):
-        SelectionConfig(exploration="epsilon")
-
-
-def test_mid_request_a_proposer_takes_over_only_where_it_beats_the_current_on_average_and_for_this_request(clock):
-    """Thompson sampling is on, yet a re-decision (the engine passes the request's estimate) never
-    explores: the same answer for every draw."""
-    from specmesh_router.estimate import levels_sample
-
-    router = make_router(clock)
-    feed(router, clock, random.Random(3), {"ngram": 0.75, "draft": 0.7}, "chat", 300)
-
-    def decide(current: str, estimate) -> set[tuple[str, bool]]:
-        return {
-            (d.proposer, d.speculate)
-            for d in (router.decide("auto", "chat", 0, 1, current, (), estimate) for _ in range(20))
-        }
-
-    # A request whose last steps on n-gram missed: draft is no better on average, so it stays, and
-    # its own estimate turns speculation off (the gate decodes plainly and keeps scoring its trees).
-    hard = router.estimate("ngram", "chat")
-    for _ in range(8):
-        hard.observe(levels_sample(0, 0, rejected=True))
-    assert decide("ngram", hard) == {("ngram", False)}
-    # Negative control: its estimate alone against draft's pooled posterior (the rule before) moves it.
-    posts = router.posteriors(["ngram", "draft"], "chat", 32)
-    mine = [hard.posterior(p, 32) if p.proposer == "ngram" else p for p in posts]
-    assert choose(mine, CPU, 1, 32, SelectionConfig(exploration="greedy"), current="ngram").proposer == "draft"
-
-    # A request started on draft (exploration) that fares as draft does on average moves to n-gram.
-    assert decide("draft", router.estimate("draft", "chat")) == {("ngram", True)}
-    # One whose draft trees keep matching stays, although n-gram is better on average.
-    matching = router.estimate("draft", "chat")
-    for _ in range(8):
-        matching.observe(levels_sample(0, 8, rejected=False))
-    assert decide("draft", matching) == {("draft", True)}
 
 
 def served_stream(router: Router, clock, steps: int) -> None:
@@ -257,7 +195,7 @@ def test_proposers_are_compared_on_what_they_served_in_batches_of_the_size_decid
     ranks it below n-gram at 1 row although it serves 1-row requests better."""
     names = ("ngram", "suffix")
     stats = InProcessStats(StatsConfig(half_life_s=600.0), clock)
-    router = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(exploration="greedy"))
+    router = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(ucb_c=0.0))
     for _ in range(400):
         router.record("suffix", "", AcceptanceStats.served(4, 6, CPU(8, 7), rows=8))
     for _ in range(100):
@@ -279,7 +217,7 @@ def test_candidates_are_ranked_at_one_batch_size_the_nearest_where_each_has_serv
     measured at. Both are now ranked by their 1-row figures until n-gram has 8-row ones."""
     names = ("ngram", "suffix")
     stats = InProcessStats(StatsConfig(half_life_s=600.0), clock)
-    router = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(exploration="greedy"))
+    router = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(ucb_c=0.0))
     rng = random.Random(5)
     for _ in range(200):  # what served_stream measures, at 1 row
         router.record("ngram", "", scripted_step(rng, 0.7, 8) + AcceptanceStats.served(2, 8, CPU(1, 9)))
@@ -290,7 +228,7 @@ def test_candidates_are_ranked_at_one_batch_size_the_nearest_where_each_has_serv
     posts = router.posteriors(list(names), "", 8, batch=8)
     assert [(p.served.rows if p.served else None) for p in posts] == [1, 1]
     assert router.decide("auto", batch=8).proposer == "suffix"
-    mixed = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(exploration="greedy"))
+    mixed = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(ucb_c=0.0))
     mixed.posteriors = lambda ps, tag, depth, count_ends=True, batch=1: [  # the rule before: each at its own bucket
         posterior(p, stats.snapshot().get(StatsKey(MODEL, p, "")), None, 0.5, 2.0, depth, count_ends, 64.0, batch)
         for p in ps
@@ -308,61 +246,16 @@ def test_proposers_are_ranked_by_what_they_measurably_delivered_per_step_once_th
         names = ("ngram", "suffix")
         return Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(**config))
 
-    model_only = router(exploration="greedy", min_served_steps=float("inf"))
+    model_only = router(ucb_c=0.0, min_served_steps=float("inf"))
     served_stream(model_only, clock, 300)
     assert model_only.decide("auto", "qa").proposer == "ngram"  # the α chain alone prefers the chains
 
-    measured = router(exploration="thompson", seed=4)
+    measured = router()
     served_stream(measured, clock, 300)
-    picks = [measured.decide("auto", "qa").proposer for _ in range(200)]
-    assert picks.count("suffix") >= 195  # Thompson's spread at ~150 decayed steps: a few % of the mean
-    # Mid-request too: a request on n-gram moves when its own estimate agrees, one on suffix stays.
-    on_suffix = measured.decide("auto", "qa", current="suffix", estimate=measured.estimate("suffix", "qa"))
-    assert on_suffix.proposer == "suffix"
+    assert measured.decide("auto", "qa").proposer == "suffix"
 
-    greedy = Router(measured.stats, MODEL, measured.available, measured.policy, CPU, SelectionConfig("greedy"))
+    greedy = Router(measured.stats, MODEL, measured.available, measured.policy, CPU, SelectionConfig(ucb_c=0.0))
     assert greedy.decide("auto", "qa").proposer == "suffix"
     clock.advance(40.0)  # two half-lives unused: too few steps left to go by, so the model ranks again
     assert all(p.served is None for p in greedy.posteriors(["ngram", "suffix"], "qa", 8))
     assert greedy.decide("auto", "qa").proposer == "ngram"  # n-gram is retried
-
-
-def test_mid_request_a_request_its_proposer_rarely_has_a_tree_for_moves_to_one_that_serves_as_well_on_average(clock):
-    """Prompt lookup and suffix serve a category about equally (n-gram's trees come 60% of steps,
-    within the switch margin of suffix's), so a request stays where exploration put it, unless
-    its own steps show its proposer has a tree for it far less often than for the others: a prompt
-    with nothing to copy. Then the shared figures of n-gram, taken at the request's share of steps
-    with a tree, fall below suffix's and it moves (while its own estimate agrees)."""
-    from specmesh_router.estimate import levels_sample
-
-    names = ("ngram", "suffix")
-    stats = InProcessStats(StatsConfig(half_life_s=600.0), clock)
-    router = Router(stats, MODEL, names, PolicyStore(names), CPU, SelectionConfig(exploration="thompson", seed=1))
-    rng = random.Random(5)
-    for _ in range(400):
-        if rng.random() < 0.6:
-            router.record("ngram", "", AcceptanceStats.of_step(8, 4, True) + AcceptanceStats.served(5, 8, CPU(1, 9)))
-        else:
-            router.record("ngram", "", AcceptanceStats.no_tree() + AcceptanceStats.served(1, 0, CPU(1, 1)))
-        router.record("suffix", "", AcceptanceStats.of_step(6, 2, True) + AcceptanceStats.served(4.15, 6, CPU(1, 7)))
-        clock.advance(0.1)
-    ngram, suffix = (p.served for p in router.posteriors(list(names), "", 8))
-    assert ngram.tokens / ngram.seconds < suffix.tokens / suffix.seconds < 1.05 * ngram.tokens / ngram.seconds
-
-    def request_on_ngram(trees: int, steps: int = 16):
-        est = router.estimate("ngram")
-        for i in range(steps):
-            if i < trees:
-                est.observe(levels_sample(0, 4, rejected=True))
-            else:
-                est.observe_no_tree()
-            est.count_step(i < trees)
-        return {router.decide("auto", current="ngram", estimate=est).proposer for _ in range(10)}
-
-    assert request_on_ngram(trees=15) == {"ngram"}  # trees as often as anywhere: within the margin, it stays
-    assert request_on_ngram(trees=2) == {"suffix"}  # 2 trees in 16 steps: it moves
-    # Negative control: the shared figures alone (the rule before) keep it on n-gram.
-    est = router.estimate("ngram")
-    for i in range(16):
-        est.observe(levels_sample(0, 4, rejected=True)) if i < 2 else est.observe_no_tree()
-    assert router.decide("auto", current="ngram", estimate=est).proposer == "ngram"
