@@ -7,8 +7,8 @@ protobuf, prometheus-client, tokenizers, safetensors, httpx and numpy. This scri
    nor the bundle provides: such a gap shows here, not on the GPU;
 2. downloads cp312 manylinux wheels, pinned to this venv's versions, of what the image lacks or has in
    an unknown version that the generated stubs check (grpcio, protobuf and the grpc plug-ins);
-   transformers + huggingface-hub into ``.whl/fallback`` (used there only if the machine's transformers is
-   older than pyproject's floor) and numba + llvmlite (the suffix proposer), each only where it fits;
+   transformers + huggingface-hub (with the httpx2 stack and click it needs) into ``.whl/fallback`` (used
+   there only if the machine's transformers is older than pyproject's floor) and numba + llvmlite (the suffix proposer), each only where it fits;
 3. copies the default model's tokenizer files into ``.whl/tokenizer`` (the weights stay behind: the
    check builds random-weight models there);
 4. checks that the tree plus ``.whl/`` fit the 64 MiB a device run carries, and prints the command.
@@ -37,15 +37,18 @@ GPU_IMAGE = (
 PINNED = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "redis")
 TESTING = ("pytest", "pytest-timeout", "pygments")  # the check's gpu_tests section (with what they require)
 OPTIONAL = ("numba", "llvmlite")  # the suffix proposer; llvmlite alone is ~40 MB
-# Used on the GPU machine only where its own transformers is older than pyproject's floor (gpu_check.py).
-FALLBACK = ("transformers", "huggingface-hub")
+# Used on the GPU machine only where its own transformers is older than pyproject's floor (gpu_check.py):
+# with huggingface-hub 2.x come the HTTP stack it imports at start-up (httpx2, not the image's httpx) and
+# the click it requires (the first GPU run, docs/gpu/, failed on ``No module named 'httpx2'``).
+FALLBACK = ("transformers", "huggingface-hub", "httpx2", "httpcore2", "truststore", "click")
 # Modules the check's process and its services import (the services' own imports come along).
 ENTRY_MODULES = (
     "verifier_svc.server", "verifier_svc.engine", "proposer_svc.suffix.server", "proposer_svc.draft.proposer",
     "proposer_svc.oracle", "specmesh.cli", "specmesh.health", "specmesh.deploy", "specmesh_server.model_loading",
     "gpu_kit.end_to_end", "gpu_kit.numbers", "gpu_kit.engine_profile", "gpu_kit.kernel_checks", "gpu_kit.environment",
 )  # fmt: skip
-# Imported here but optional where they are absent (transformers probes for them), or not used at run time.
+# Imported here but optional where they are absent (transformers probes for them), not used at run time, or
+# (httpx2, httpcore2, truststore) brought by FALLBACK with the huggingface-hub that needs them.
 NOT_NEEDED = {"pillow", "grpcio-tools", "truststore", "setuptools", "specmesh", "httpx2", "httpcore2"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64")
 

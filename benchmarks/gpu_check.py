@@ -43,7 +43,7 @@ SECTIONS = {  # name → (module, function, budget seconds on a GPU), in order o
     "draft": ("gpu_kit.engine_profile", "draft_section", 15),
     "cost_curves": ("gpu_kit.numbers", "cost_section", 70),
     "attention_numbers": ("gpu_kit.numbers", "attention_section", 40),
-    "gpu_tests": ("gpu_kit.suite", "suite_section", 30),
+    "gpu_tests": ("gpu_kit.suite", "suite_section", 60),
 }
 
 
