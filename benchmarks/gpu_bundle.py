@@ -8,7 +8,8 @@ protobuf, prometheus-client, tokenizers, safetensors, httpx and numpy. This scri
 2. downloads cp312 manylinux wheels, pinned to this venv's versions, of what the image lacks or has in
    an unknown version that the generated stubs check (grpcio, protobuf and the grpc plug-ins);
    transformers + huggingface-hub (with the httpx2 stack and click it needs) into ``.whl/fallback`` (used
-   there only if the machine's transformers is older than pyproject's floor) and numba + llvmlite (the suffix proposer), each only where it fits;
+   there only if the machine's transformers is older than pyproject's floor) and numba + llvmlite (the
+   suffix proposer), each only where it fits;
 3. copies the default model's tokenizer files into ``.whl/tokenizer`` (the weights stay behind: the
    check builds random-weight models there);
 4. checks that the tree plus ``.whl/`` fit the 64 MiB a device run carries, and prints the command.
