@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -141,6 +142,12 @@ class SlotKVCache:
         self._alloc(new_slots, new_seq)
         release_freed_memory(self.device)
         return True
+
+    @contextlib.contextmanager
+    def measurement_rows(self, rows: int, positions: int) -> Iterator[slice]:
+        """Slots 0..rows-1, grown to ``positions`` positions (the step-cost measurement)."""
+        self.reserve(rows, positions)
+        yield slice(0, rows)
 
     # --- slots --------------------------------------------------------------------------
     def move_slot(self, src: int, dst: int, length: int) -> None:

@@ -1,8 +1,9 @@
-"""Runs the stock HF causal LM over the slot KV cache with explicit positions and masks.
+"""Runs the stock HF causal LM over a KV cache with explicit positions and masks.
 
-One call = one forward pass over a contiguous range of slots, each row bringing ``n`` new
-tokens: ragged rows right-padded, or packed into one row of the real tokens alone
-(``attention.Packing``). Masks are boolean [b, n, kv_len] (True = attend) and become the float
+The cache is paged (``paged_kv``: the verifier's, rows given by their block tables) or slotted
+(``kv_cache``: the draft proposer's, rows a contiguous range of slots). One call = one forward pass
+over some rows, each bringing ``n`` new tokens: ragged rows right-padded, or packed into one row of
+the real tokens alone (``attention.Packing``). Masks are boolean [b, n, kv_len] (True = attend) and become the float
 4D mask transformers passes through unchanged. The same entry point serves chunked prefill,
 plain decode and token-tree verification (ancestor masks).
 """
@@ -15,7 +16,8 @@ import torch
 
 from specmesh_router.cost_model import ContextCost, StepCost
 from specmesh_server import attention, packed_linear
-from specmesh_server.kv_cache import SlotKVCache
+from specmesh_server.kv_cache import SlotKVCache, default_budget_bytes
+from specmesh_server.paged_kv import PagedKVCache, PagedRows
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -40,13 +42,17 @@ class ModelRunner:
         tree_kernel: bool | None = None,
         packed_linears: bool = False,
         kv_budget_bytes: int | None = None,
+        block_size: int | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         """``tree_kernel``: tree steps through the Triton tree-attention kernel; default on CUDA only.
         Otherwise SDPA over the cache without repeating K/V (both in ``attention``; models it does not
         support keep transformers' attention, and no kernel).
         ``packed_linears``: on a CPU, replace the model's linear layers in place by oneDNN ones with
         pre-packed weights (``packed_linear``; ignored where unsupported).
-        ``kv_budget_bytes``: the KV cache never allocates more (None: unbounded)."""
+        ``kv_budget_bytes``: the KV cache never allocates more (None: unbounded; paged: 30 % of what is free).
+        ``block_size``: a paged cache of blocks of this many positions (``paged_kv``, prefix caching
+        as ``prefix_caching`` says); None: the slot cache (``kv_cache``)."""
         # Counted before packing (packed layers keep their weights outside nn.Parameters).
         weights = sum(
             p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
@@ -68,15 +74,23 @@ class ModelRunner:
         # A new token's linear layers (2 flops per weight) cost as much as attending this many cached
         # keys (4 flops per key, head dimension, head and layer): how prefill work grows with position.
         self.keys_per_token = max(weights / (2 * head_dim * heads * layers), 256.0)
-        self.cache = SlotKVCache(
-            num_layers=text_cfg.num_hidden_layers,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            device=device,
-            seq_limit=max_context,
-            token_budget=None if kv_budget_bytes is None else kv_budget_bytes // bytes_per_token,
-        )
+        self.cache: PagedKVCache | SlotKVCache
+        if block_size is not None:
+            budget = default_budget_bytes(device) if kv_budget_bytes is None else kv_budget_bytes
+            blocks = budget // (bytes_per_token * block_size) - 1  # and the scratch block: within the budget
+            self.cache = PagedKVCache(
+                layers, kv_heads, head_dim, dtype, device, max(blocks, 1), block_size, prefix_caching
+            )
+        else:
+            self.cache = SlotKVCache(
+                num_layers=text_cfg.num_hidden_layers,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                device=device,
+                seq_limit=max_context,
+                token_budget=None if kv_budget_bytes is None else kv_budget_bytes // bytes_per_token,
+            )
         # The kernel applies neither sliding windows nor soft-capping either: supported models only.
         supported = attention.supports(cfg)
         self.tree_kernel = supported and (device.type == "cuda" if tree_kernel is None else tree_kernel)
@@ -87,7 +101,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self,
-        rows: slice,
+        rows: Any,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         mask: torch.Tensor,
@@ -95,7 +109,7 @@ class ModelRunner:
         packing: attention.Packing | None = None,
         tree_meta: Any | None = None,
     ) -> torch.Tensor:
-        """Hidden states of the new tokens.
+        """Hidden states of the new tokens of ``rows`` (a slice of slots, or ``PagedRows``: the cache's).
 
         input_ids, positions: int64 [b, n]; mask: bool [b, n, kv_len]; write_pos: int64 [b, n]
         (cache slots for the new tokens; defaults to ``positions``) → [b, n, hidden].
@@ -157,11 +171,16 @@ def measure_step_cost(
         top = max(rows)
         ids = torch.randint(0, runner.vocab_size, (top, prefix + max(widths)), device=dev)
         pos = torch.arange(prefix, device=dev)[None].expand(top, prefix)
-        runner.forward(slice(0, top), ids[:, :prefix], pos, causal_mask(pos, prefix))
-        table = [
-            [_timed_forward(runner, ids[:r], prefix, w, repeats) for w in widths if r * w <= max(max_tokens, r)]
-            for r in rows
-        ]
+        with runner.cache.measurement_rows(top, prefix + max(widths)) as where:
+            runner.forward(where, ids[:, :prefix], pos, causal_mask(pos, prefix))
+            table = [
+                [
+                    _timed_forward(runner, where, ids[:r], prefix, w, repeats)
+                    for w in widths
+                    if r * w <= max(max_tokens, r)
+                ]
+                for r in rows
+            ]
     # Costs never fall with more tokens or more rows; noise must not say otherwise.
     for i, seconds in enumerate(table):
         for j in range(len(seconds)):
@@ -188,18 +207,20 @@ def measure_context_cost(
     cache, room = runner.cache, max(widths) + 1
     if cache.seq_limit is not None:
         longer = min(longer, cache.seq_limit - room)
-    if cache.token_budget is not None:  # every allocated slot grows to the longest row's positions
+    if isinstance(cache, SlotKVCache) and cache.token_budget is not None:  # every slot grows to the longest row
         slots = max(rows, cache.keys[0].shape[0] if cache.keys else 0)
         longer = min(longer, cache.token_budget // slots - room)
+    elif isinstance(cache, PagedKVCache):
+        longer = min(longer, cache.pool.free_blocks * cache.block_size // rows - room)
     if longer < prefix + 256:
         return None
 
-    with torch.inference_mode():
+    with torch.inference_mode(), cache.measurement_rows(rows, longer + room) as where:
         ids = torch.randint(0, runner.vocab_size, (rows, longer + max(widths)), device=dev)
-        cache.reserve(rows, longer + room)  # zeros: attention costs what it costs whatever the keys hold
         (w1, w2), keys = widths, longer - prefix
         d1, d2 = (
-            _timed_forward(runner, ids, longer, w, repeats) - _timed_forward(runner, ids, prefix, w, repeats)
+            _timed_forward(runner, where, ids, longer, w, repeats)
+            - _timed_forward(runner, where, ids, prefix, w, repeats)
             for w in widths
         )
     per_query_key = max((d2 - d1) / (rows * keys * (w2 - w1)), 0.0)
@@ -207,9 +228,9 @@ def measure_context_cost(
     return ContextCost(prefix, per_row_key, per_query_key)
 
 
-def _timed_forward(runner: ModelRunner, ids: torch.Tensor, at: int, width: int, repeats: int) -> float:
-    """Best of ``repeats`` seconds of one forward (and its logits) over rows 0..len(ids) - 1, each
-    bringing ``ids[:, at : at + width]`` after ``at`` cached positions."""
+def _timed_forward(runner: ModelRunner, where: Any, ids: torch.Tensor, at: int, width: int, repeats: int) -> float:
+    """Best of ``repeats`` seconds of one forward (and its logits) over the first len(ids) rows of
+    ``where``, each bringing ``ids[:, at : at + width]`` after ``at`` cached positions."""
     import time
 
     dev, rows = runner.device, ids.shape[0]
@@ -220,8 +241,15 @@ def _timed_forward(runner: ModelRunner, ids: torch.Tensor, at: int, width: int, 
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner.logits(runner.forward(slice(0, rows), ids[:, at : at + width], pos, mask))
+        runner.logits(runner.forward(_first(where, rows), ids[:, at : at + width], pos, mask))
         if dev.type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _first(where: Any, rows: int) -> Any:
+    """The first ``rows`` rows of a forward's rows (a slot slice or ``PagedRows``)."""
+    if isinstance(where, slice):
+        return slice(where.start, where.start + rows)
+    return PagedRows(where.table[:rows])

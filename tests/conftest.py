@@ -93,8 +93,10 @@ def engine_factory(lm):
         m = lm.model.config
         per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * (m.hidden_size // m.num_attention_heads) * 4
         kv_bytes = None if kv_budget_tokens is None else kv_budget_tokens * per_token
-        runner = runner_class(lm.model, lm.device, lm.dtype, max_context=8192, kv_budget_bytes=kv_bytes)
-        assert runner.cache.token_budget == kv_budget_tokens
+        runner = runner_class(lm.model, lm.device, lm.dtype, max_context=8192, kv_budget_bytes=kv_bytes, block_size=16)
+        assert (
+            kv_budget_tokens is None or kv_budget_tokens - 32 < runner.cache.token_budget <= kv_budget_tokens
+        )  # whole blocks and scratch
         eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(kv_budget_tokens=kv_budget_tokens, **cfg))
         eng.start()
         engines.append(eng)

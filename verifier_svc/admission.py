@@ -1,15 +1,18 @@
 """Admission against the KV memory budget, and how long a prefill chunk may be.
 
-The slot cache is dense: every running request's row is as long as the longest one's need, so
-the running set takes ``len(running) × max(need)`` positions. A request's *need* is the positions
-it holds now plus room for one verification step (the pending token and a full tree); a request
-still in prefill needs its whole prompt. The engine keeps that product within the budget:
+The cache is paged (``specmesh_server.paged_kv``): a request holds the blocks its positions fill, so
+the running set takes the sum of its requests' blocks, not rows × the longest. A request's *need* is
+the blocks it must add before its next forward: a joining request its whole prompt (less the blocks a
+prefix-cache hit brings) plus room for one verification step (the pending token and a full tree), a
+running one room for one step past what it holds. The engine keeps the needs within the free blocks
+(never used, or evictable: cached blocks no running request holds):
 
-- a waiting request joins only when the product with it stays within the budget, with
-  ``margin`` positions per row to spare so the running requests can grow a while before the newest
-  must leave again (first come, first served: the head of the queue waits, nobody overtakes it);
-- when the running requests grow past the budget, the youngest leave (*preemption*): their KV is
-  dropped and recomputed from their tokens when they rejoin, so their output does not change;
+- a waiting request joins only when its need and the running requests' fit the free blocks with
+  ``margin`` blocks per row to spare, so the running requests can grow a while before the newest must
+  leave again (first come, first served: the head of the queue waits, nobody overtakes it);
+- when the running requests' needs pass the free blocks, the youngest leave (*preemption*): their
+  blocks go back (their full ones stay cached, so on return they find them if nobody evicted them) and
+  their KV is recomputed from their tokens, so their output does not change;
 - a request that could not fit even alone is refused when it arrives.
 """
 
@@ -18,46 +21,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def fits(needs: Sequence[int], budget: int | None) -> bool:
-    """Whether rows needing ``needs`` positions fit a dense cache of ``budget`` positions.
+def admits(free_blocks: int, running_needs: Sequence[int], candidate: int, margin: int) -> bool:
+    """Whether a waiting request needing ``candidate`` blocks may join running requests needing
+    ``running_needs`` blocks for their next step, each row keeping ``margin`` blocks to grow into.
 
-    >>> fits([300, 1200], 2400), fits([300, 1200, 10], 2400), fits([5] * 9, None)
-    (True, False, True)
-    """
-    return budget is None or not needs or len(needs) * max(needs) <= budget
-
-
-def admits(needs: Sequence[int], candidate: int, budget: int | None, margin: int) -> bool:
-    """Whether a waiting request needing ``candidate`` positions may join rows needing ``needs``,
-    each row keeping ``margin`` positions to grow into.
-
-    >>> admits([300], 900, 2400, margin=256)   # 2 × (900 + 256) = 2312
+    >>> admits(100, [2, 2], 60, margin=10)    # 60 + 4 + 3 × 10 = 94
     True
-    >>> admits([300], 1000, 2400, margin=256)  # 2 × 1256 = 2512
+    >>> admits(100, [2, 2], 70, margin=10)
     False
-    >>> admits([], 2300, 2400, margin=256)     # alone, a request joins if it fits at all
+    >>> admits(100, [], 100, margin=10)       # alone, a request joins if it fits at all
     True
     """
-    if budget is None:
-        return True
-    rows = [*needs, candidate]
-    if len(rows) == 1:
-        return candidate <= budget
-    return len(rows) * (max(rows) + margin) <= budget
-
-
-def preemptions(needs_oldest_first: Sequence[int], budget: int | None) -> int:
-    """How many of the youngest rows must leave so the rest fit; the oldest always stays.
-
-    >>> preemptions([1000, 200, 900, 300], 2400)  # 4 × 1000 and 3 × 1000 are over, 2 × 1000 fits
-    2
-    >>> preemptions([3000], 2400)  # alone it stays (it was refused at arrival if it can never fit)
-    0
-    """
-    n = len(needs_oldest_first)
-    while n > 1 and not fits(needs_oldest_first[:n], budget):
-        n -= 1
-    return len(needs_oldest_first) - n
+    if not running_needs:
+        return candidate <= free_blocks
+    return candidate + sum(running_needs) + margin * (len(running_needs) + 1) <= free_blocks
 
 
 def chunk_tokens(budget: int, start: int, keys_per_token: float, least: int = 16) -> int:

@@ -26,6 +26,8 @@ class VerifierConfig:
     attention: str = "auto"  # tree verification's attention: auto (the Triton kernel on CUDA), triton, sdpa
     max_context: int = 0  # 0 = the model's max_position_embeddings
     kv_cache_bytes: int | None = None  # KV cache budget; None = kv_cache.default_budget_bytes
+    block_size: int = 16  # KV positions per block of the paged cache
+    prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv_blocks)
     proposers: tuple[tuple[str, str], ...] = ()  # (name, address)
     auto_proposers: tuple[str, ...] | None = None  # what `auto` may pick; None = every configured one
     grace_s: float = 30.0
@@ -91,6 +93,19 @@ def build_flags() -> ServiceFlags:
         byte_size,
         "KV cache memory budget, e.g. 4GiB: requests wait (or are refused if they can never fit) rather than "
         "exceed it; auto = 30%% of the memory free after the model loads (the GPU's on a GPU)",
+    )
+    f.add(
+        "--block-size",
+        16,
+        int,
+        "KV cache positions per block: memory is held and shared in blocks (docs/ARCHITECTURE.md, KV cache)",
+        minimum=1,
+    )
+    f.add(
+        "--enable-prefix-caching",
+        True,
+        boolean,
+        "reuse the KV of prompt prefixes seen before, within one tenant (on/off)",
     )
     f.add(
         "--proposer",
@@ -238,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         attention=a.attention,
         max_context=a.max_context,
         kv_cache_bytes=a.kv_cache_memory,
+        block_size=a.block_size,
+        prefix_caching=a.enable_prefix_caching,
         proposers=tuple(proposers),
         auto_proposers=_auto_proposers(p, a.auto_proposers, [n for n, _ in proposers]),
         grace_s=a.grace,

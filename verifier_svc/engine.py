@@ -2,14 +2,15 @@
 
 Requests join and leave the running batch between steps. One iteration of the loop:
   1. apply new submissions and cancellations;
-  2. memory: if the running requests outgrew the KV budget, the youngest go back to wait
-     (``admission``); waiting requests join while the budget holds them;
+  2. memory: if the running requests' next step needs more KV blocks than are free, the youngest go
+     back to wait (``admission``); waiting requests join, from their longest cached prompt prefix,
+     while the free blocks hold them;
   3. prefill: one forward over the next chunk of the oldest joining request, or over several
      short joining prompts together (``prefill_chunk_tokens``' worth of work: chunks shorten
      deeper into a long prompt, so the running requests' next token is never far away);
   4. decode: one batched forward over every running request's pending token (and trees);
-  5. stream the new tokens of each request, retire finished requests and free their slots (and
-     KV memory once the rest need much less).
+  5. stream the new tokens of each request, retire finished requests and release their blocks
+     (full ones stay cached for later requests with the same prefix).
 
 A running request's gap between tokens is thus at most one decode step plus one prefill chunk.
 A step that fails fails only the requests it concerns: a prefill its joining requests; a decode
@@ -30,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specmesh_server.kv_blocks import BlockManager, namespace
 from specmesh_server.model_runner import ModelRunner
+from specmesh_server.paged_kv import PagedKVCache
 from specmesh_server.torch_thread import ThreadLoop, TorchThread
 from verifier_svc import admission
 from verifier_svc.detokenizer import StopStringFilter, detokenizer_for
@@ -53,8 +56,9 @@ class EngineConfig:
     max_running: int = 32  # requests decoded together (batch slots)
     max_waiting: int = 64  # admitted but not yet running; beyond running + waiting → rejected
     prefill_chunk_tokens: int = 512  # a prefill forward's work, in tokens at a prompt's start
-    kv_budget_tokens: int | None = None  # KV cache positions (slots × length) allocated at most
+    kv_budget_tokens: int | None = None  # KV cache positions the block pool holds (None: the runner's)
     kv_margin: int = 256  # positions per row left to grow into when a waiting request joins
+    cache_namespace: str = ""  # the model's name: cached prefixes are shared within it (and a tenant)
     step_room: int = 129  # positions one decode step writes per row at most: pending token + tree
     # Acceptance through the batched Triton kernel (``batch_accept.accept_batch``): None = for CUDA
     # logits, True = wherever the trees fit it (CPU tensors: Triton's interpreter), False = the host walk.
@@ -84,7 +88,7 @@ class Engine:
         self.stats = EngineStats()
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []  # running[i].slot == i
+        self._running: list[Sequence] = []  # running[i].slot == i: prefilled ones first
         self._by_key: dict[int, Sequence] = {}  # every admitted request by its engine-unique key
         self._keys = itertools.count()
         self._admitted = 0  # running + waiting + in the inbox, guarded by _lock
@@ -95,6 +99,11 @@ class Engine:
         # Packed steps need the runner's own attention (models it cannot serve keep padded steps).
         spec_config = self.speculation.config
         self.speculation.config = replace(spec_config, packed_steps=spec_config.packed_steps and runner.packs)
+        if not isinstance(runner.cache, PagedKVCache):
+            raise TypeError("the engine runs over a paged KV cache: build its runner with block_size")
+        self.cache: PagedKVCache = runner.cache
+        self.blocks: BlockManager = runner.cache.manager
+        self._seed = namespace(config.cache_namespace)
         self._thread = ThreadLoop(self._loop, "specmesh-engine", thread)
 
     @property
@@ -117,8 +126,8 @@ class Engine:
         is only a label (two clients may send the same one). ``speculation``: the request's
         speculation as ``SpeculationControl.start`` opened it (None: plain decoding)."""
         need = min(len(req.prompt_ids) + req.max_tokens, self.max_context) + self.config.step_room
-        budget = self.config.kv_budget_tokens
-        if budget is not None and need > budget:
+        budget = self.cache.token_budget
+        if need > budget:
             raise NeverFits(
                 f"the request needs up to {need} KV cache positions (prompt {len(req.prompt_ids)} + max_tokens "
                 f"{req.max_tokens} + {self.config.step_room} for a verification step), over this verifier's KV "
@@ -240,17 +249,23 @@ class Engine:
         """KV positions ``seq``'s row needs for its next step (a joining request: its whole prompt)."""
         return seq.cache_target + self.config.step_room
 
+    def _need_blocks(self, seq: Sequence) -> int:
+        """Blocks ``seq`` must add for its next step, past those it holds."""
+        held = len(seq.blocks.blocks) if seq.blocks is not None else 0
+        return max(self.blocks.blocks_for(self._need(seq)) - held, 0)
+
     def _fit_memory(self) -> None:
-        """Keep the running requests within the KV budget: the youngest wait again if they outgrew it."""
-        budget = self.config.kv_budget_tokens
-        if budget is None or not self._running:
-            return
+        """Keep the running requests' next step within the free blocks: the youngest wait again while
+        it is not (their full blocks stay cached; the rest of their KV is recomputed on return)."""
         by_age = sorted(self._running, key=lambda s: s.key)
-        n = admission.preemptions([self._need(s) for s in by_age], budget)
-        if n:
-            leaving = by_age[-n:]
-            for seq in reversed(leaving):  # the oldest of them ends up first in the queue
-                log.info("KV budget: request %s waits again (its KV is recomputed on return)", seq.req.request_id)
+        leaving = []
+        while len(by_age) > 1 and sum(self._need_blocks(s) for s in by_age) > self.blocks.pool.free_blocks:
+            seq = by_age.pop()
+            log.info("KV budget: request %s waits again (its KV is recomputed on return)", seq.req.request_id)
+            self._close_blocks(seq)
+            leaving.append(seq)
+        if leaving:
+            for seq in leaving:  # the oldest of them ends up first in the queue
                 self._waiting.appendleft(seq)
                 self.stats.preempted += 1
                 if self.metrics is not None:
@@ -259,43 +274,64 @@ class Engine:
             for seq in leaving:
                 seq.slot, seq.length = -1, 0
 
-    def _reserve(self) -> None:
-        """Allocate the cache for every running request's need before a forward writes into it."""
-        self.runner.cache.reserve(len(self._running), max(self._need(s) for s in self._running))
+    def _cache_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens whose KV the request caches before it decodes: its prompt, and after a
+        preemption its output but the pending token."""
+        return seq.req.prompt_ids + seq.output[: max(len(seq.output) - 1, 0)]
+
+    def _close_blocks(self, seq: Sequence) -> None:
+        if seq.blocks is not None:
+            self.blocks.close(seq.blocks)
+            seq.blocks = None
 
     def _admit(self) -> list[Sequence]:
         """The requests whose prompts the next prefill forward feeds: those mid-prefill, else waiting
-        requests joining (first come, first served) while slots, the chunk and the KV budget hold them."""
+        requests joining (first come, first served) while slots, the chunk and the free blocks hold
+        them. A joining request starts from its longest cached prompt prefix (``kv_blocks``)."""
         joining = [s for s in self._running if not s.prefilled]
         if joining:
             return joining
-        cfg, tokens = self.config, 0
+        cfg, tokens, pool = self.config, 0, self.blocks.pool
+        margin = self.blocks.blocks_for(cfg.kv_margin)
         while self._waiting and len(self._running) < cfg.max_running and tokens < cfg.prefill_chunk_tokens:
             seq = self._waiting[0]
-            needs = [self._need(s) for s in self._running]
-            if not admission.admits(needs, self._need(seq), cfg.kv_budget_tokens, cfg.kv_margin):
+            cached = self._cache_tokens(seq)
+            hit = self.blocks.peek(self._seed, cached)
+            # Hit blocks nobody holds are free now and would not be once taken.
+            free = pool.free_blocks - sum(1 for b in hit if pool.refs[b] == 0)
+            need = max(self.blocks.blocks_for(self._need(seq)) - len(hit), 0)
+            if not admission.admits(free, [self._need_blocks(s) for s in self._running], need, margin):
                 break
-            if joining and tokens + seq.cache_target > cfg.prefill_chunk_tokens:
+            uncached = seq.cache_target - len(hit) * self.blocks.block_size
+            if joining and tokens + uncached > cfg.prefill_chunk_tokens:
                 break  # would overflow this forward's budget: it joins with the next one
             self._waiting.popleft()
+            seq.blocks = self.blocks.open(self._seed, cached)
+            seq.length = seq.blocks.cached_tokens
             seq.slot = len(self._running)
             if not seq.prefill_start:
                 seq.prefill_start = time.perf_counter()
+                seq.cached_tokens = seq.length
                 if self.metrics is not None:
                     self.metrics.queued(seq.prefill_start - seq.arrival)
             self._running.append(seq)
             joining.append(seq)
-            tokens += seq.cache_target
+            tokens += uncached
         return joining
 
     def _prefill(self, joining: list[Sequence]) -> None:
-        """One forward over the next prompt chunk of each joining request (slots contiguous)."""
-        self._reserve()
+        """One forward over the next prompt chunk of each joining request."""
         chunks = [
             s.uncached(admission.chunk_tokens(self.config.prefill_chunk_tokens, s.length, self.runner.keys_per_token))
             for s in joining
         ]
-        step = prefill_step(self.runner, joining, chunks)
+        ends = [s.length + len(c) for s, c in zip(joining, chunks, strict=True)]
+        for seq, end in zip(joining, ends, strict=True):
+            self.blocks.grow(seq.blocks, end)
+        rows = self.cache.rows([s.blocks for s in joining], max(ends))
+        step = prefill_step(self.runner, joining, chunks, rows)
+        for seq in joining:
+            self.blocks.commit(seq.blocks, self._cache_tokens(seq)[: seq.length])
         if self.metrics is not None:
             self.metrics.step("prefill", step.seconds, step.tokens_in, len(joining))
         done = [joining[i] for i in step.finished]
@@ -312,9 +348,12 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> None:
         """One batched forward over prefilled requests in contiguous slots: each one's pending token
         plus the token tree its proposer sent, if any; then lossless acceptance per request."""
-        self._reserve()
         trees = self.speculation.collect_trees(seqs, self.max_context)
-        step = decode_step(self.runner, seqs, trees, self.packed, self.config.device_accept)
+        for seq, tree in zip(seqs, trees, strict=True):  # the pending token and the tree, after the prefix
+            self.blocks.grow(seq.blocks, seq.length + 1 + len(tree))
+        width = 1 + max(len(t) for t in trees)
+        rows = self.cache.rows([s.blocks for s in seqs], max(s.length for s in seqs) + width)
+        step = decode_step(self.runner, seqs, trees, self.packed, self.config.device_accept, rows)
         self.speculation.observe_step(len(seqs), step.computed / len(seqs), step.seconds, step.width, step.keys)
         self.stats.steps += 1
         if self.metrics is not None:
@@ -322,15 +361,18 @@ class Engine:
         emitted = self.speculation.after_step(seqs, trees, step.results, step.seconds)
         states = self.speculation.hidden_states(step.hidden, seqs, step.state_rows)
         for seq, (path, _), tokens, lp, state in zip(seqs, step.results, emitted, step.logprobs, states, strict=True):
-            base = seq.length + 1  # cache slot of tree node 0
+            base = seq.length + 1  # cache position of tree node 0
             if path != list(range(len(path))):  # keep only the accepted nodes' KV, in path order
-                self.runner.cache.gather_positions(seq.slot, torch.tensor(path, device=self.runner.device) + base, base)
+                self.cache.copy_positions(seq.blocks, torch.tensor(path) + base, base)
             seq.length = base + len(path)
+            self.blocks.shrink(seq.blocks, seq.length)  # the rejected nodes' blocks go back
             seq.steps += 1
             seq.verify_s += step.seconds
             before = len(seq.output)
             self._append(seq, tokens, lp)
             self.speculation.emitted(seq, seq.output[before:], state)
+            if not seq.done:  # blocks the accepted tokens filled join the prefix cache
+                self.blocks.commit(seq.blocks, self._cache_tokens(seq)[: seq.length])
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Add accepted tokens, stream them, and finish the request when a limit is hit."""
@@ -363,6 +405,7 @@ class Engine:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        self._close_blocks(seq)
         self.speculation.release(seq)
         self._by_key.pop(seq.key, None)
         with self._lock:
@@ -374,28 +417,14 @@ class Engine:
             return
         leaving = [s for s in self._running if s.done]
         self._rearrange([s for s in self._running if not s.done])
-        cache = self.runner.cache
-        if cache.fit(max(len(self._running), 1), max((self._need(s) for s in self._running), default=1)):
-            log.info("KV cache shrunk to %d × %d positions", cache.slot_capacity, cache.seq_capacity)
         for seq in leaving:
             self._release(seq)
 
     def _rearrange(self, staying: list[Sequence]) -> None:
-        """Make ``staying`` the running requests: prefilled ones in slots 0..p-1 (so a decode forward
-        takes a view of the cache), requests still in prefill right after them.
-
-        A leaving request's slot is refilled from the end (one request's KV copied), not by shifting
-        every later slot down.
-        """
-        ready = [s for s in staying if s.prefilled]
+        """Make ``staying`` the running requests: prefilled ones first (in their order), requests still
+        in prefill after them. No KV moves: a request's blocks are where its table says."""
+        ready = sorted((s for s in staying if s.prefilled), key=lambda s: s.slot)
         joining = sorted((s for s in staying if not s.prefilled), key=lambda s: s.slot)
-        p = len(ready)
-        holes = sorted(set(range(p)) - {s.slot for s in ready})
-        movers = sorted((s for s in ready if s.slot >= p), key=lambda s: s.slot)
-        for hole, seq in zip(holes, movers, strict=True):
-            self.runner.cache.move_slot(seq.slot, hole, seq.length)
-            seq.slot = hole
-        for rank, seq in enumerate(joining):  # joining requests sit after every prefilled one
-            self.runner.cache.move_slot(seq.slot, p + rank, seq.length)
-            seq.slot = p + rank
-        self._running = sorted(ready, key=lambda s: s.slot) + joining
+        self._running = ready + joining
+        for i, seq in enumerate(self._running):
+            seq.slot = i

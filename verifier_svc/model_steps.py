@@ -13,6 +13,7 @@ import torch
 
 from specmesh_server.attention import Packing
 from specmesh_server.model_runner import ModelRunner
+from specmesh_server.paged_kv import PagedRows
 from specmesh_server.tree import TokenTree
 from verifier_svc.batch_accept import accept_batch, sample_tokens
 from verifier_svc.logprobs import TokenLogprob, step_logprobs
@@ -31,13 +32,12 @@ class PrefillStep:
     state_rows: list[int]  # per finished request, its prompt's last row in hidden.view(b * n, h)
 
 
-def prefill_step(runner: ModelRunner, joining: list[Sequence], chunks: list[list[int]]) -> PrefillStep:
-    """One forward over the next prompt chunk of each joining request (slots contiguous); advances
+def prefill_step(runner: ModelRunner, joining: list[Sequence], chunks: list[list[int]], rows: PagedRows) -> PrefillStep:
+    """One forward over the next prompt chunk of each joining request (``rows``: their blocks); advances
     each one's cached length. Prompts now cached in full get their first token (a preempted
     request's is its pending one, so it gets none)."""
     dev = runner.device
     step = prefill_inputs(chunks, [s.length for s in joining], dev)
-    rows = slice(joining[0].slot, joining[-1].slot + 1)
     t0 = time.perf_counter()
     hidden = runner.forward(rows, step.input_ids, step.positions, step.mask)  # [b, n, h]
     for seq, chunk in zip(joining, chunks, strict=True):
@@ -77,9 +77,14 @@ class DecodeStep:
 
 
 def decode_step(
-    runner: ModelRunner, seqs: list[Sequence], trees: list[TokenTree], packed: bool, device_accept: bool | None
+    runner: ModelRunner,
+    seqs: list[Sequence],
+    trees: list[TokenTree],
+    packed: bool,
+    device_accept: bool | None,
+    rows: PagedRows,
 ) -> DecodeStep:
-    """One batched forward over prefilled requests in contiguous slots: each one's pending token plus
+    """One batched forward over prefilled requests (``rows``: their blocks): each one's pending token plus
     its tree (maybe empty); then lossless acceptance per request (``batch_accept.accept_batch``)."""
     dev = runner.device
     step = decode_inputs([s.pending for s in seqs], [s.length for s in seqs], trees, dev)
@@ -98,7 +103,6 @@ def decode_step(
         if width <= MAX_TREE_ROWS:
             meta = tree_meta_from_trees([t.parents for t in trees], [s.length for s in seqs], width, dev)
     t0 = time.perf_counter()
-    rows = slice(seqs[0].slot, seqs[-1].slot + 1)
     hidden = runner.forward(rows, step.input_ids, step.positions, step.mask, step.write_pos, packing, tree_meta=meta)
     hidden = hidden[0] if packing is not None else hidden[real]  # [sum(n_i + 1), h]
     logits = runner.logits(hidden)  # [sum(n_i + 1), vocab]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specmesh_server.kv_blocks import BlockTable
 from verifier_svc.detokenizer import Detokenizer, StopStringFilter
 from verifier_svc.events import Event, FinishEvent, TokenEvent
 from verifier_svc.logprobs import TokenLogprob
@@ -14,7 +15,7 @@ from verifier_svc.requests import GenerationRequest
 
 @dataclass
 class Sequence:
-    """One request in the engine: its slot, cached length, output and streaming state."""
+    """One request in the engine: its place in the batch, KV blocks, cached length, output and streaming state."""
 
     key: int  # unique in the engine (the client's request_id is a label only)
     req: GenerationRequest
@@ -22,8 +23,10 @@ class Sequence:
     detok: Detokenizer
     stopper: StopStringFilter
     arrival: float
-    slot: int = -1
+    slot: int = -1  # its index in the running batch; -1 while it waits
+    blocks: BlockTable | None = None  # its KV blocks while it runs (``engine``)
     length: int = 0  # tokens whose KV is cached
+    cached_tokens: int = 0  # prompt tokens a prefix-cache hit brought when it first joined
     output: list[int] = field(default_factory=list)
     done: bool = False
     steps: int = 0

@@ -68,13 +68,16 @@ def load_target(config: VerifierConfig) -> LoadedTarget:
         tree_kernel=ATTENTION[config.attention],
         packed_linears=config.packed_linears,
         kv_budget_bytes=kv_bytes,
+        block_size=config.block_size,
+        prefix_caching=config.prefix_caching,
     )
     paths = describe(runner.tree_kernel, runner.packs, config.engine.device_accept, lm.device)
     print(f"verifier: {paths}", flush=True)
     kv_tokens = runner.cache.token_budget
     print(
-        f"verifier: KV cache budget {kv_bytes / 2**20:.0f} MiB = {kv_tokens} positions "
-        f"({kv_tokens // max_context} requests of the full {max_context}-token context)",
+        f"verifier: KV cache budget {kv_bytes / 2**20:.0f} MiB = {kv_tokens} positions in blocks of "
+        f"{config.block_size} ({kv_tokens // max_context} requests of the full {max_context}-token context); "
+        f"prefix caching {'on' if config.prefix_caching else 'off'}",
         flush=True,
     )
     if runner.packed_linears:

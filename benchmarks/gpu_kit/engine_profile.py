@@ -87,7 +87,7 @@ def decode_step_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> 
     shape = ctx.target_shape
     model = random_model(shape, ctx.device, dtype)
     # The kernels' paths, as on CUDA by default (on a CPU they run in Triton's interpreter).
-    runner = ModelRunner(model, ctx.device, dtype, max_context=4096, tree_kernel=True)
+    runner = ModelRunner(model, ctx.device, dtype, max_context=4096, tree_kernel=True, block_size=16)
     tokenizer = AutoTokenizer.from_pretrained(ctx.tokenizer)
     engine = Engine(runner, tokenizer, {2}, 4096, EngineConfig(max_running=ROWS, max_waiting=0, device_accept=True))
     engine.start()

@@ -100,7 +100,9 @@ def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 def serve(model: torch.nn.Module, kernels: bool, wants: list[list[int]]) -> tuple[list[Collector], int]:
     """The prompts, concurrently, through one engine with the kernels on or off → (outputs, steps)."""
-    runner = ModelRunner(copy.deepcopy(model), torch.device("cpu"), torch.float32, 256, tree_kernel=kernels)
+    runner = ModelRunner(
+        copy.deepcopy(model), torch.device("cpu"), torch.float32, 256, tree_kernel=kernels, block_size=16
+    )
     assert runner.tree_kernel is kernels
     eng = Engine(runner, ToyTokenizer(), {2}, 256, EngineConfig(device_accept=kernels))
     eng.start()

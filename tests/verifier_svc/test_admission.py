@@ -1,7 +1,7 @@
 """The KV memory budget: the admission rules on numbers, then the engine on the real model held to
-a small budget (a long prompt waits or is refused, running requests grow into preemption and
-still decode exactly, memory goes back after a long request) and a failing step isolated to the
-requests it concerns."""
+a small budget (a long prompt runs beside short ones where its blocks fit, one that never fits is
+refused, running requests grow into preemption and still decode exactly, every block comes back
+after the requests end) and a failing step isolated to the requests it concerns."""
 
 import threading
 import time
@@ -19,22 +19,10 @@ NO_SPEC = SpecParams("none", 0, 0, "", "")
 ROOM = EngineConfig.step_room
 
 
-def test_the_running_set_fits_only_while_rows_times_the_longest_need_is_within_budget():
-    assert admission.fits([100, 1200], 2400) and not admission.fits([100, 1200, 1], 2400)
-    assert admission.fits([10**9], None)
-
-
 def test_a_waiting_request_joins_only_with_margin_to_grow_and_alone_if_it_fits_at_all():
-    assert admission.admits([300, 300], 500, 3 * 756, margin=256)
-    assert not admission.admits([300, 300], 501, 3 * 756, margin=256)
-    assert admission.admits([], 2400, 2400, margin=256) and not admission.admits([], 2401, 2400, margin=256)
-
-
-def test_preemption_takes_the_youngest_until_the_rest_fit_and_never_the_oldest():
-    assert admission.preemptions([500, 500, 500], 1500) == 0
-    assert admission.preemptions([500, 500, 501], 1500) == 1
-    assert admission.preemptions([900, 100, 100, 100], 1500) == 3
-    assert admission.preemptions([5000, 10], 1500) == 1  # the oldest alone is always allowed
+    assert admission.admits(100, [10, 10], 50, margin=10)  # 50 + 20 + 3 × 10 = 100
+    assert not admission.admits(100, [10, 10], 51, margin=10)
+    assert admission.admits(100, [], 100, margin=10) and not admission.admits(100, [], 101, margin=10)
 
 
 def test_prefill_chunks_shorten_with_depth_so_their_work_stays_bounded():
@@ -85,29 +73,36 @@ def _long_prompt(chat_ids, words: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_long_prompt_waits_for_the_kv_budget_while_short_requests_finish_and_one_that_never_fits_is_refused(
+def test_a_long_prompt_runs_beside_short_ones_where_its_blocks_fit_and_one_that_never_fits_is_refused(
     lm, chat_ids, hf_greedy, engine_factory
 ):
+    """A dense cache would charge 4 rows × the long request's need (> the budget) and hold it back; in
+    blocks the four fit together."""
     budget = 6000
     eng = engine_factory(kv_budget_tokens=budget)
     shorts = [chat_ids(p) for p in ("Name three colours.", "What is two plus two?", "Say hello in French.")]
     long_ids = _long_prompt(chat_ids, 400)
     assert 1000 < len(long_ids) < budget - ROOM - 8
-    with pytest.raises(NeverFits, match=f"KV budget of {budget} positions"):
+    with pytest.raises(NeverFits, match=f"KV budget of {eng.cache.token_budget} positions"):
         eng.submit(_request(_long_prompt(chat_ids, 2400), 8), Collector())
+    assert 4 * (len(long_ids) + ROOM + EngineConfig.kv_margin) > budget  # what the dense cache charged
     short_out = [Collector() for _ in shorts]
     for ids, c in zip(shorts, short_out, strict=True):
         eng.submit(_request(ids, 24, ignore_eos=True), c)
     long_out = Collector()
-    eng.submit(_request(long_ids, 8), long_out)  # 4 rows × (its need + margin) > budget: it waits
+    eng.submit(_request(long_ids, 8), long_out)
+    most = 0
+    while not long_out.done.is_set():
+        most = max(most, eng.counts()[0])
+        time.sleep(0.002)
+    assert most == 4  # the long request ran beside the three short ones
     for ids, c in zip(shorts, short_out, strict=True):
         assert c.done.wait(120) and c.error is None
         assert_greedy_equal(lm, ids, c.tokens, hf_greedy(ids, 24))
     assert long_out.done.wait(120) and long_out.error is None
     assert_greedy_equal(lm, long_ids, long_out.tokens, hf_greedy(long_ids, 8))
-    assert long_out.finish.queue_ms > max(c.finish.queue_ms for c in short_out)  # it waited for room
-    cache = eng.runner.cache
-    assert cache.slot_capacity * cache.seq_capacity <= budget
+    assert eng.stats.preempted == 0
+    assert eng.cache.allocated_bytes <= budget * eng.cache.bytes_per_token
     _settled(eng)
 
 
@@ -117,9 +112,11 @@ def test_requests_that_outgrow_the_budget_are_preempted_and_recomputed_without_c
 ):
     prompts = [chat_ids("Count from one to a hundred in words."), chat_ids("Write the numbers 1 to 200.")]
     n, margin, longest = 160, 64, max(len(p) for p in prompts)
-    # Both fit to start with; each grows to ~prompt + n tokens, and two such rows exceed the budget.
-    budget = 2 * (longest + ROOM + margin) + 8
-    assert longest + n + ROOM <= budget < 2 * (longest + n + ROOM)
+    # Both fit to start with (in 16-position blocks, one more for scratch); each grows to ~prompt + n
+    # tokens, and two such rows exceed the budget.
+    blocks = lambda positions: -(-positions // 16)  # noqa: E731
+    budget = (2 * (blocks(longest + ROOM) + blocks(margin)) + 1) * 16
+    assert blocks(longest + n + ROOM) * 16 <= budget - 16 < 2 * blocks(longest + n + ROOM) * 16
     eng, unbounded = engine_factory(kv_budget_tokens=budget, kv_margin=margin), engine_factory()
     outs, refs = [Collector(), Collector()], [Collector(), Collector()]
     for ids, c, ref in zip(prompts, outs, refs, strict=True):
@@ -134,15 +131,25 @@ def test_requests_that_outgrow_the_budget_are_preempted_and_recomputed_without_c
 
 
 @pytest.mark.slow
-def test_kv_memory_goes_back_after_a_long_request_ends(chat_ids, engine_factory):
-    eng = engine_factory()  # unbounded: growth follows the longest request, shrinking follows its end
-    c = Collector()
-    eng.submit(_request(_long_prompt(chat_ids, 1200), 2), c)
-    assert c.done.wait(120) and c.error is None
+def test_after_requests_end_every_block_is_free_or_cached_and_the_same_prompt_hits_its_prefix(
+    lm, chat_ids, hf_greedy, engine_factory
+):
+    eng = engine_factory()
+    ids = _long_prompt(chat_ids, 150)
+    first, second = Collector(), Collector()
+    eng.submit(_request(ids, 12, ignore_eos=True), first)
+    assert first.done.wait(120) and first.error is None
     _settled(eng)
-    cache = eng.runner.cache
-    # Finished and retired: the cache is back to its smallest allocation.
-    assert (cache.slot_capacity, cache.seq_capacity) == cache.plan(1, 1)
+    pool = eng.blocks.pool
+    pool.check()
+    assert all(r == 0 for r in pool.refs) and pool.free_blocks == pool.num_blocks
+    assert len(pool.cached) == (len(ids) + 12 - 1) // 16  # every full block of accepted tokens
+    eng.submit(_request(ids, 12, ignore_eos=True), second)  # a whole-prompt hit: its last token is computed
+    assert second.done.wait(120) and second.error is None
+    assert second.tokens == first.tokens
+    assert_greedy_equal(lm, ids, second.tokens, hf_greedy(ids, 12))
+    assert pool.counters.hits == (len(ids) - 1) // 16 * 16
+    _settled(eng)
 
 
 class FaultyRunner(ModelRunner):
@@ -224,7 +231,8 @@ def test_a_long_prefill_interleaves_chunks_with_the_running_requests_decode_step
     assert long_out.done.wait(180) and all(c.done.wait(120) for c in short)
     calls = runner.calls[start:]
     chunks = [(width, pos) for kind, rows, width, pos in calls if kind == "prefill"]
-    assert sum(w for w, _ in chunks) == len(long_ids) and len(chunks) >= 5
+    hit = chunks[0][1]  # the chat template's first block, cached by the short requests
+    assert hit % 16 == 0 and sum(w for w, _ in chunks) == len(long_ids) - hit and len(chunks) >= 5
     for width, pos in chunks[:-1]:  # each chunk is as long as its depth allows, no longer
         assert width == admission.chunk_tokens(512, pos, runner.keys_per_token)
     # The short requests outlive the prefill, and a decode step of theirs follows every chunk: their
@@ -262,6 +270,8 @@ def test_a_verifier_held_to_a_small_kv_budget_refuses_what_never_fits_and_finish
     port = free_port()
     v = start_verifier(tmp_path, "--kv-cache-memory", "300MiB", "--max-running", "8", "--metrics-port", str(port))
     try:
+        # Whole blocks, one of them scratch, within 300 MiB.
+        budget_positions = (300 * 2**20 // (46080 * 16) - 1) * 16
         assert f"KV cache budget 300 MiB = {budget_positions} positions" in v.log()
         rss_start = _rss_mib(v.proc.pid)
         sampler = threading.Thread(target=sample)
@@ -293,7 +303,7 @@ def test_a_verifier_held_to_a_small_kv_budget_refuses_what_never_fits_and_finish
             for line in metrics.splitlines()
             if line.startswith("specmesh_kv_cache")
         }
-        assert kv["specmesh_kv_cache_budget_bytes"] == budget_positions * 46080  # whole positions of 300 MiB
+        assert kv["specmesh_kv_cache_budget_bytes"] == budget_positions * 46080
         assert kv["specmesh_kv_cache_bytes"] <= 300 * 2**20
         # The cache stays within its budget; the rest is a prefill chunk's activations.
         print(f"verifier RSS: start {rss_start:.0f} MiB, peak {peak[0]:.0f} MiB")

@@ -78,7 +78,9 @@ def test_cancel_mid_stream_frees_the_slot_and_others_are_unaffected(lm, chat_ids
 def test_the_engine_steps_on_the_thread_it_is_given_and_leaves_it_running_at_shutdown(lm, chat_ids, hf_greedy):
     # The verifier loads its model on this thread, then hands it to the engine: one OpenMP team.
     thread = TorchThread("specmesh-test-engine")
-    runner = thread.submit(lambda: ModelRunner(lm.model, lm.device, lm.dtype, max_context=8192)).result(timeout=60)
+    runner = thread.submit(lambda: ModelRunner(lm.model, lm.device, lm.dtype, max_context=8192, block_size=16)).result(
+        timeout=60
+    )
     eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(), thread=thread)
     eng.start()
     ids, names = chat_ids("Name three rivers."), set()
@@ -118,7 +120,7 @@ def test_a_request_the_router_starts_plain_turns_speculation_on_from_its_own_ski
     from verifier_svc.local_proposer import LocalProposerSession
     from verifier_svc.proposer_client import ProposerLimits
 
-    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context=8192)
+    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context=8192, block_size=16)
     # A CPU-like step cost: a 32-token step costs ~2.4x a plain one (the live steps refine it).
     cost = LiveStepCost(StepCost.by_tokens((1, 2, 4, 8, 16, 32, 64), (1.0, 1.6, 1.7, 1.8, 2.0, 2.4, 3.6)))
     router = Router(InProcessStats(StatsConfig(half_life_s=1e9)), "lm", ("ngram",), PolicyStore(("ngram",)), cost)
@@ -172,7 +174,7 @@ def test_packed_steps_verify_a_batch_of_ragged_trees_to_plain_greedy_computing_f
     prompts = [chat_ids(p) for p in workload_prompts(per_category=1, max_chars=1200)[:5]]
     outputs, computed = {}, {}
     for packed in (True, False):
-        runner = CountingRunner(lm.model, lm.device, lm.dtype, max_context=8192)
+        runner = CountingRunner(lm.model, lm.device, lm.dtype, max_context=8192, block_size=16)
         eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(speculation=SpeculationConfig(packed_steps=packed)))
         eng.start()
         try:

@@ -1,0 +1,109 @@
+"""The paged cache gives the slot cache's hidden states: a prefill, a step verifying ragged trees (padded
+and packed, through SDPA and the tree-attention kernel) and a plain step reading what the tree step
+wrote, with block tables scattered over the pool and positions crossing blocks; and moving the
+accepted nodes' entries equals the slot cache's move."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import support
+import torch
+
+from specmesh_server.attention import Packing
+from specmesh_server.kv_blocks import BlockTable
+from specmesh_server.model_runner import ModelRunner
+from specmesh_server.tree import TokenTree
+from verifier_svc.step_inputs import decode_inputs, prefill_inputs, unpadded
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [16, 17]]
+TREES = [TokenTree([20, 21, 22, 23, 24], [-1, 0, 0, 2, -1]), TokenTree([], []), TokenTree([30], [-1])]
+TREES.append(TokenTree([40, 41, 42], [-1, 0, 1]))
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return support.tiny_llama()
+
+
+class Rows:
+    """The rows of each forward: slots 0..b-1 of a slot cache, or block tables grown to the positions
+    the forward writes (scattered: the pool's queue is shuffled first)."""
+
+    def __init__(self, runner: ModelRunner, b: int) -> None:
+        self.runner, self.b = runner, b
+        self.tables = [BlockTable(b"") for _ in range(b)]
+        if self.paged:
+            m = runner.cache.manager
+            taken = m.pool.allocate(m.pool.free_blocks)
+            torch.manual_seed(0)
+            m.pool.release([taken[i] for i in torch.randperm(len(taken)).tolist()])
+
+    @property
+    def paged(self) -> bool:
+        return hasattr(self.runner.cache, "manager")
+
+    def __call__(self, ends: list[int], kv_len: int):
+        if not self.paged:
+            return slice(0, self.b)
+        for t, end in zip(self.tables, ends, strict=True):
+            self.runner.cache.manager.grow(t, end)
+        return self.runner.cache.rows(self.tables, kv_len)
+
+
+def _steps(runner: ModelRunner, packed: bool) -> tuple[Rows, list[torch.Tensor]]:
+    b, dev = len(PROMPTS), runner.device
+    rows = Rows(runner, b)
+    lengths = [len(p) for p in PROMPTS]
+    first = prefill_inputs(PROMPTS, [0] * b, dev)
+    hidden = runner.forward(rows(lengths, first.mask.shape[-1]), first.input_ids, first.positions, first.mask)
+    out = [hidden[unpadded(lengths, dev)]]  # real tokens only: padding differs (it writes to scratch)
+    step = decode_inputs([50 + i for i in range(b)], lengths, TREES, dev)
+    counts = [len(t) + 1 for t in TREES]
+    ends = [n + c for n, c in zip(lengths, counts, strict=True)]
+    where = rows(ends, step.mask.shape[-1])
+    real = unpadded(counts, dev)
+    if packed:
+        packing = Packing(*real, b, step.input_ids.shape[1])
+        out.append(runner.forward(where, step.input_ids, step.positions, step.mask, step.write_pos, packing)[0])
+    else:
+        out.append(runner.forward(where, step.input_ids, step.positions, step.mask, step.write_pos)[real])
+    after = decode_inputs([60 + i for i in range(b)], ends, [TREES[1]] * b, dev)
+    where = rows([e + 1 for e in ends], after.mask.shape[-1])
+    out.append(runner.forward(where, after.input_ids, after.positions, after.mask, after.write_pos))
+    return rows, out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "tree-kernel"])
+def test_the_paged_cache_gives_the_slot_caches_hidden_states(tiny_llama, kernel, packed):
+    if kernel:
+        support.require_cpu_kernels()
+    cpu, f32 = torch.device("cpu"), torch.float32
+    slot = ModelRunner(copy.deepcopy(tiny_llama), cpu, f32, 256, tree_kernel=kernel)
+    paged = ModelRunner(
+        copy.deepcopy(tiny_llama), cpu, f32, 256, tree_kernel=kernel, kv_budget_bytes=2**20, block_size=BS
+    )
+    (_, want), (rows, got) = _steps(slot, packed), _steps(paged, packed)
+    assert any(t.blocks != sorted(t.blocks) for t in rows.tables)  # tables really are scattered
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_moving_the_accepted_nodes_entries_equals_the_slot_caches_move(tiny_llama):
+    cpu, f32 = torch.device("cpu"), torch.float32
+    slot = ModelRunner(copy.deepcopy(tiny_llama), cpu, f32, 256)
+    paged = ModelRunner(copy.deepcopy(tiny_llama), cpu, f32, 256, kv_budget_bytes=2**20, block_size=BS)
+    (_, _), (rows, _) = _steps(slot, False), _steps(paged, False)
+    path, base = torch.tensor([0, 2, 3]), len(PROMPTS[0]) + 1  # row 0 accepts nodes 0, 2, 3
+    slot.cache.gather_positions(0, path + base, base)
+    paged.cache.copy_positions(rows.tables[0], path + base, base)
+    n = base + len(path)
+    table = paged.cache.rows(rows.tables[:1], n).table
+    for layer in range(len(slot.cache.keys)):
+        for dense, pool in ((slot.cache.keys[layer], paged.cache.keys[layer]),):
+            positions = torch.arange(n)
+            slots = table[0, positions // BS] * BS + positions % BS
+            torch.testing.assert_close(pool[:, slots], dense[0, :, :n])
