@@ -18,16 +18,24 @@ def finish(summary: Summary | None) -> dict:
 
 def usage_of(summaries_by_choice: dict[int, Summary], n: int) -> dict:
     """Token counts of a request whose prompt p was generated ``n`` times (choices p·n … p·n + n − 1):
-    each prompt counts once, every choice's completion counts.
+    each prompt counts once (its cached part as its first choice found it), every choice's completion counts.
 
     >>> from specmesh.v1 import params_pb2
-    >>> s = Summary("eos", 5, 3, 0.0, 0.0, params_pb2.SpeculationMetrics())
-    >>> usage_of({0: s}, 1), usage_of({0: s, 1: s}, 2)["prompt_tokens"]
-    ({'prompt_tokens': 5, 'completion_tokens': 3, 'total_tokens': 8}, 5)
+    >>> s = Summary("eos", 5, 3, 0.0, 0.0, params_pb2.SpeculationMetrics(), cached_tokens=4)
+    >>> usage_of({0: s}, 1)
+    {'prompt_tokens': 5, 'completion_tokens': 3, 'total_tokens': 8, 'prompt_tokens_details': {'cached_tokens': 4}}
+    >>> usage_of({0: s, 1: s}, 2)["prompt_tokens"]
+    5
     """
-    prompt = sum(s.prompt_tokens for i, s in summaries_by_choice.items() if i % n == 0)
+    firsts = [s for i, s in summaries_by_choice.items() if i % n == 0]
+    prompt = sum(s.prompt_tokens for s in firsts)
     completion = sum(s.completion_tokens for s in summaries_by_choice.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)},
+    }
 
 
 def speculation(summaries: Sequence[Summary]) -> dict:

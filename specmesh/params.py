@@ -89,6 +89,7 @@ class Summary:
     total_ms: float
     speculation: params_pb2.SpeculationMetrics
     stop_string: str = ""
+    cached_tokens: int = 0  # prompt tokens whose KV came from the verifier's prefix cache
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.GenerationSummary) -> Summary:
@@ -100,6 +101,7 @@ class Summary:
             total_ms=msg.timing.total_ms,
             speculation=msg.speculation,
             stop_string=msg.stop_string,
+            cached_tokens=msg.usage.cached_tokens,
         )
 
 

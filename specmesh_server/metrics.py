@@ -209,6 +209,17 @@ class VerifierMetrics:
             m,
             registry=r,
         ).labels(model)  # the engine's ``metrics.preemptions.inc()``
+        # The prefix cache, in vLLM's terms: prompt tokens looked up and found (``kv_blocks``).
+        self.prefix_queries = Counter(
+            "specmesh_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m, registry=r
+        ).labels(model)
+        self.prefix_hits = Counter(
+            "specmesh_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", m, registry=r
+        ).labels(model)
+        self.kv_evictions = Counter(
+            "specmesh_kv_cache_evictions", "Cached KV blocks dropped to reuse them", m, registry=r
+        ).labels(model)
+        self.kv_usage = Gauge("specmesh_kv_cache_usage", "Share of the KV blocks in use by requests", m, registry=r)
         # Bound once: the engine thread's calls skip the label lookup.
         self._prompt_tokens, self._generated = self.prompt_tokens.labels(model), self.generated_tokens.labels(model)
         self._ttft, self._itl, self._e2e = self.ttft.labels(model), self.itl.labels(model), self.e2e.labels(model)
@@ -233,9 +244,14 @@ class VerifierMetrics:
         self.running.labels(self.model).set_function(lambda: counts()[0])
         self.waiting.labels(self.model).set_function(lambda: counts()[1])
 
-    def track_kv_cache(self, allocated: Callable[[], int], budget_bytes: int | None) -> None:
-        """Read the KV cache's allocated bytes at scrape time; the budget is fixed at start-up."""
+    def track_kv_cache(
+        self, allocated: Callable[[], int], budget_bytes: int | None, usage: Callable[[], float] | None = None
+    ) -> None:
+        """Read the KV cache's allocated bytes (and the share of blocks in use) at scrape time; the
+        budget is fixed at start-up."""
         self.kv_bytes.labels(self.model).set_function(allocated)
+        if usage is not None:
+            self.kv_usage.labels(self.model).set_function(usage)
         if budget_bytes is not None:
             self.kv_budget.labels(self.model).set(budget_bytes)
 

@@ -103,7 +103,7 @@ class Engine:
             raise TypeError("the engine runs over a paged KV cache: build its runner with block_size")
         self.cache: PagedKVCache = runner.cache
         self.blocks: BlockManager = runner.cache.manager
-        self._seed = namespace(config.cache_namespace)
+        self._evictions_seen = 0  # the pool's evictions already counted in the metrics
         self._thread = ThreadLoop(self._loop, "specmesh-engine", thread)
 
     @property
@@ -219,6 +219,10 @@ class Engine:
         self._retire()
 
     def _step(self) -> None:
+        if self.metrics is not None:  # blocks the last step's growth took from the prefix cache
+            evicted = self.blocks.pool.counters.evictions
+            self.metrics.kv_evictions.inc(evicted - self._evictions_seen)
+            self._evictions_seen = evicted
         self._fit_memory()
         joining = self._admit()
         if joining:
@@ -279,6 +283,11 @@ class Engine:
         preemption its output but the pending token."""
         return seq.req.prompt_ids + seq.output[: max(len(seq.output) - 1, 0)]
 
+    def _seed(self, seq: Sequence) -> bytes:
+        """The hash chain's seed: cached prefixes are shared within one model and ``cache_scope`` (the
+        gateway prefixes the scope with its API key's tenant, so tenants never share)."""
+        return namespace(self.config.cache_namespace, seq.req.spec_params.cache_scope)
+
     def _close_blocks(self, seq: Sequence) -> None:
         if seq.blocks is not None:
             self.blocks.close(seq.blocks)
@@ -295,8 +304,8 @@ class Engine:
         margin = self.blocks.blocks_for(cfg.kv_margin)
         while self._waiting and len(self._running) < cfg.max_running and tokens < cfg.prefill_chunk_tokens:
             seq = self._waiting[0]
-            cached = self._cache_tokens(seq)
-            hit = self.blocks.peek(self._seed, cached)
+            cached, seed = self._cache_tokens(seq), self._seed(seq)
+            hit = self.blocks.peek(seed, cached)
             # Hit blocks nobody holds are free now and would not be once taken.
             free = pool.free_blocks - sum(1 for b in hit if pool.refs[b] == 0)
             need = max(self.blocks.blocks_for(self._need(seq)) - len(hit), 0)
@@ -306,9 +315,12 @@ class Engine:
             if joining and tokens + uncached > cfg.prefill_chunk_tokens:
                 break  # would overflow this forward's budget: it joins with the next one
             self._waiting.popleft()
-            seq.blocks = self.blocks.open(self._seed, cached)
+            seq.blocks = self.blocks.open(seed, cached)
             seq.length = seq.blocks.cached_tokens
             seq.slot = len(self._running)
+            if self.metrics is not None:
+                self.metrics.prefix_queries.inc(len(cached))
+                self.metrics.prefix_hits.inc(seq.length)
             if not seq.prefill_start:
                 seq.prefill_start = time.perf_counter()
                 seq.cached_tokens = seq.length

@@ -70,6 +70,7 @@ class FinishEvent:
     total_ms: float
     stop_string: str = ""
     speculation: SpecCounters = field(default_factory=SpecCounters)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass

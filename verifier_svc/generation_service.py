@@ -138,7 +138,9 @@ def _summary(ev: FinishEvent) -> generation_pb2.GenerationSummary:
     }
     return generation_pb2.GenerationSummary(
         finish_reason=_FINISH[ev.finish_reason],
-        usage=generation_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
+        usage=generation_pb2.Usage(
+            prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens
+        ),
         speculation=params_pb2.SpeculationMetrics(
             steps=ev.steps,
             drafted_tokens=spec.drafted,

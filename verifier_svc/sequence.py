@@ -95,4 +95,5 @@ class Sequence:
             total_ms=(now - self.arrival) * 1e3,
             stop_string=self.stopper.matched or "",
             speculation=self.speculation.counters,
+            cached_tokens=self.cached_tokens,
         )

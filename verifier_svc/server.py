@@ -100,7 +100,12 @@ async def run(config: VerifierConfig) -> None:
         thread=torch_thread,
     )
     metrics.track_queue(engine.counts)
-    metrics.track_kv_cache(lambda: runner.cache.allocated_bytes, kv_tokens * runner.cache.bytes_per_token)
+    pool = runner.cache.pool
+    metrics.track_kv_cache(
+        lambda: runner.cache.allocated_bytes,
+        kv_tokens * runner.cache.bytes_per_token,
+        lambda: pool.used_blocks / pool.num_blocks,
+    )
     REGISTRY.register(RouterStatsCollector(stats, model=lm.name, tags=config.metrics_tags))
     generation = GenerationServicer(engine, lm.tokenizer, limits, speculation, metrics)
     engine.start()

@@ -86,6 +86,8 @@ def test_chat_and_completions_equal_the_grpc_sdk_streaming_or_not(oai, model, gr
     assert [t.token for t in full.choices[0].logprobs.content] == want_tokens  # the same tokens, one by one
     assert full.usage.completion_tokens == len(want.token_ids)
     assert full.usage.prompt_tokens == want.summary.prompt_tokens
+    # The SDK's request just computed this prompt: its full blocks come from the prefix cache (OpenAI's field).
+    assert full.usage.prompt_tokens_details.cached_tokens == (want.summary.prompt_tokens - 1) // 16 * 16 > 0
     assert full.choices[0].finish_reason == ("length" if want.summary.finish_reason == "length" else "stop")
     chunks = list(oai.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"

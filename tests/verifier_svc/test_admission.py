@@ -55,8 +55,8 @@ class Collector:
 
 
 def _request(ids: list[int], max_tokens: int, **kw) -> GenerationRequest:
-    args = dict(temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(), ignore_eos=False) | kw
-    return GenerationRequest("r", ids, max_tokens=max_tokens, spec_params=NO_SPEC, **args)
+    args = dict(temperature=0.0, top_p=1.0, top_k=0, seed=1, stop=(), ignore_eos=False, spec_params=NO_SPEC) | kw
+    return GenerationRequest("r", ids, max_tokens=max_tokens, **args)
 
 
 def _settled(eng: Engine) -> None:
@@ -150,6 +150,26 @@ def test_after_requests_end_every_block_is_free_or_cached_and_the_same_prompt_hi
     assert_greedy_equal(lm, ids, second.tokens, hf_greedy(ids, 12))
     assert pool.counters.hits == (len(ids) - 1) // 16 * 16
     _settled(eng)
+
+
+@pytest.mark.slow
+def test_a_cached_prefix_serves_only_its_own_cache_scope_and_its_requests_report_it(chat_ids, engine_factory):
+    """The gateway puts each API key's tenant in front of the scope: one tenant's prompts never hit
+    another's blocks (a hit would show in its time to first token)."""
+    eng = engine_factory()
+    ids = _long_prompt(chat_ids, 60)
+
+    def run(scope: str) -> FinishEvent:
+        out = Collector()
+        eng.submit(_request(ids, 2, spec_params=SpecParams("none", 0, 0, "", "", scope)), out)
+        assert out.done.wait(120) and out.error is None
+        _settled(eng)
+        return out.finish
+
+    assert run("tenant-a/chat").cached_tokens == 0
+    hits = eng.blocks.pool.counters.hits
+    assert run("tenant-b/chat").cached_tokens == 0 and eng.blocks.pool.counters.hits == hits
+    assert run("tenant-a/chat").cached_tokens == (len(ids) - 1) // 16 * 16 > 0
 
 
 class FaultyRunner(ModelRunner):
