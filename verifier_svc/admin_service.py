@@ -80,6 +80,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     ) -> admin_pb2.GetStatsResponse:
         s = self.engine.stats
         running, waiting = self.engine.counts()
+        pool = self.engine.blocks.pool  # read without stopping the engine: figures of about now
         server = admin_pb2.ServerStats(
             model=self.model,
             device=self.device,
@@ -94,6 +95,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             steps=s.steps,
             max_running_requests=self.engine.config.max_running,
             max_context_tokens=self.engine.max_context,
+            preempted_requests=s.preempted,
+            kv_blocks=pool.num_blocks,
+            kv_block_size=pool.block_size,
+            kv_blocks_in_use=pool.used_blocks,
+            kv_blocks_cached=len(pool.cached),
+            prefix_cache_queries=pool.counters.queries,
+            prefix_cache_hits=pool.counters.hits,
+            kv_evictions=pool.counters.evictions,
         )
         return admin_pb2.GetStatsResponse(server=server, policy=policy_to_pb(self.policy.get()))
 

@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/admin.proto\x12\x0bspecmesh.v1\"\x84\x01\n\x11SpeculationPolicy\x12%\n\x04mode\x18\x01 \x01(\x0e\x32\x17.specmesh.v1.PolicyMode\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\"\xbb\x02\n\x0bServerStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x18\n\x10waiting_requests\x18\x05 \x01(\r\x12\x19\n\x11\x66inished_requests\x18\x06 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x07 \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x08 \x01(\x04\x12\x15\n\rprompt_tokens\x18\t \x01(\x04\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\r\n\x05steps\x18\x0b \x01(\x04\x12\x1c\n\x14max_running_requests\x18\x0c \x01(\r\x12\x1a\n\x12max_context_tokens\x18\r \x01(\r\"\xa1\x01\n\rProposerStats\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x04\x12\x15\n\rinvalid_trees\x18\x06 \x01(\x04\x12\x11\n\tfallbacks\x18\x07 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\x9b\x01\n\x10GetStatsResponse\x12(\n\x06server\x18\x01 \x01(\x0b\x32\x18.specmesh.v1.ServerStats\x12-\n\tproposers\x18\x02 \x03(\x0b\x32\x1a.specmesh.v1.ProposerStats\x12.\n\x06policy\x18\x03 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"\x12\n\x10GetPolicyRequest\"C\n\x11GetPolicyResponse\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"B\n\x10SetPolicyRequest\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"C\n\x11SetPolicyResponse\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"N\n\x15GetRouterStatsRequest\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"\xd1\x03\n\x0bRouterStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x03 \x01(\t\x12\r\n\x05steps\x18\x04 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65pted_per_step\x18\x07 \x01(\x01\x12\x18\n\x10\x64rafted_per_step\x18\x08 \x01(\x01\x12!\n\x19proposer_wait_ms_per_step\x18\t \x01(\x01\x12\x17\n\x0fposition_trials\x18\n \x03(\x01\x12\x19\n\x11position_accepted\x18\x0b \x03(\x01\x12\x15\n\rposition_ends\x18\x0c \x03(\x01\x12\x10\n\x08\x63overage\x18\r \x01(\x01\x12\x14\n\x0cserved_steps\x18\x0e \x01(\x01\x12\x1e\n\x16served_tokens_per_step\x18\x0f \x01(\x01\x12\x1b\n\x13served_tokens_per_s\x18\x10 \x01(\x01\x12\x1d\n\x15served_steps_by_batch\x18\x11 \x03(\x01\x12$\n\x1cserved_tokens_per_s_by_batch\x18\x12 \x03(\x01\"\x8a\x01\n\x16GetRouterStatsResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0bhalf_life_s\x18\x04 \x01(\x01\x12\'\n\x05stats\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.RouterStats*k\n\nPolicyMode\x12\x1b\n\x17POLICY_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10POLICY_MODE_AUTO\x10\x01\x12\x15\n\x11POLICY_MODE_FIXED\x10\x02\x12\x13\n\x0fPOLICY_MODE_OFF\x10\x03\x32\xca\x02\n\x0c\x41\x64minService\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12J\n\tGetPolicy\x12\x1d.specmesh.v1.GetPolicyRequest\x1a\x1e.specmesh.v1.GetPolicyResponse\x12J\n\tSetPolicy\x12\x1d.specmesh.v1.SetPolicyRequest\x1a\x1e.specmesh.v1.SetPolicyResponse\x12Y\n\x0eGetRouterStats\x12\".specmesh.v1.GetRouterStatsRequest\x1a#.specmesh.v1.GetRouterStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/admin.proto\x12\x0bspecmesh.v1\"\x84\x01\n\x11SpeculationPolicy\x12%\n\x04mode\x18\x01 \x01(\x0e\x32\x17.specmesh.v1.PolicyMode\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x04 \x01(\x05\"\x84\x04\n\x0bServerStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x18\n\x10waiting_requests\x18\x05 \x01(\r\x12\x19\n\x11\x66inished_requests\x18\x06 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x07 \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x08 \x01(\x04\x12\x15\n\rprompt_tokens\x18\t \x01(\x04\x12\x18\n\x10generated_tokens\x18\n \x01(\x04\x12\r\n\x05steps\x18\x0b \x01(\x04\x12\x1c\n\x14max_running_requests\x18\x0c \x01(\r\x12\x1a\n\x12max_context_tokens\x18\r \x01(\r\x12\x1a\n\x12preempted_requests\x18\x0e \x01(\x04\x12\x11\n\tkv_blocks\x18\x0f \x01(\r\x12\x15\n\rkv_block_size\x18\x10 \x01(\r\x12\x18\n\x10kv_blocks_in_use\x18\x11 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x12 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x13 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x14 \x01(\x04\x12\x14\n\x0ckv_evictions\x18\x15 \x01(\x04\"\xa1\x01\n\rProposerStats\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x04\x12\x15\n\rinvalid_trees\x18\x06 \x01(\x04\x12\x11\n\tfallbacks\x18\x07 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\x9b\x01\n\x10GetStatsResponse\x12(\n\x06server\x18\x01 \x01(\x0b\x32\x18.specmesh.v1.ServerStats\x12-\n\tproposers\x18\x02 \x03(\x0b\x32\x1a.specmesh.v1.ProposerStats\x12.\n\x06policy\x18\x03 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"\x12\n\x10GetPolicyRequest\"C\n\x11GetPolicyResponse\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"B\n\x10SetPolicyRequest\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"C\n\x11SetPolicyResponse\x12.\n\x06policy\x18\x01 \x01(\x0b\x32\x1e.specmesh.v1.SpeculationPolicy\"N\n\x15GetRouterStatsRequest\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"\xd1\x03\n\x0bRouterStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08proposer\x18\x02 \x01(\t\x12\x14\n\x0cworkload_tag\x18\x03 \x01(\t\x12\r\n\x05steps\x18\x04 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65pted_per_step\x18\x07 \x01(\x01\x12\x18\n\x10\x64rafted_per_step\x18\x08 \x01(\x01\x12!\n\x19proposer_wait_ms_per_step\x18\t \x01(\x01\x12\x17\n\x0fposition_trials\x18\n \x03(\x01\x12\x19\n\x11position_accepted\x18\x0b \x03(\x01\x12\x15\n\rposition_ends\x18\x0c \x03(\x01\x12\x10\n\x08\x63overage\x18\r \x01(\x01\x12\x14\n\x0cserved_steps\x18\x0e \x01(\x01\x12\x1e\n\x16served_tokens_per_step\x18\x0f \x01(\x01\x12\x1b\n\x13served_tokens_per_s\x18\x10 \x01(\x01\x12\x1d\n\x15served_steps_by_batch\x18\x11 \x03(\x01\x12$\n\x1cserved_tokens_per_s_by_batch\x18\x12 \x03(\x01\"\x8a\x01\n\x16GetRouterStatsResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0bhalf_life_s\x18\x04 \x01(\x01\x12\'\n\x05stats\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.RouterStats*k\n\nPolicyMode\x12\x1b\n\x17POLICY_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10POLICY_MODE_AUTO\x10\x01\x12\x15\n\x11POLICY_MODE_FIXED\x10\x02\x12\x13\n\x0fPOLICY_MODE_OFF\x10\x03\x32\xca\x02\n\x0c\x41\x64minService\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12J\n\tGetPolicy\x12\x1d.specmesh.v1.GetPolicyRequest\x1a\x1e.specmesh.v1.GetPolicyResponse\x12J\n\tSetPolicy\x12\x1d.specmesh.v1.SetPolicyRequest\x1a\x1e.specmesh.v1.SetPolicyResponse\x12Y\n\x0eGetRouterStats\x12\".specmesh.v1.GetRouterStatsRequest\x1a#.specmesh.v1.GetRouterStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POLICYMODE']._serialized_start=1749
-  _globals['_POLICYMODE']._serialized_end=1856
+  _globals['_POLICYMODE']._serialized_start=1950
+  _globals['_POLICYMODE']._serialized_end=2057
   _globals['_SPECULATIONPOLICY']._serialized_start=41
   _globals['_SPECULATIONPOLICY']._serialized_end=173
   _globals['_SERVERSTATS']._serialized_start=176
-  _globals['_SERVERSTATS']._serialized_end=491
-  _globals['_PROPOSERSTATS']._serialized_start=494
-  _globals['_PROPOSERSTATS']._serialized_end=655
-  _globals['_GETSTATSREQUEST']._serialized_start=657
-  _globals['_GETSTATSREQUEST']._serialized_end=674
-  _globals['_GETSTATSRESPONSE']._serialized_start=677
-  _globals['_GETSTATSRESPONSE']._serialized_end=832
-  _globals['_GETPOLICYREQUEST']._serialized_start=834
-  _globals['_GETPOLICYREQUEST']._serialized_end=852
-  _globals['_GETPOLICYRESPONSE']._serialized_start=854
-  _globals['_GETPOLICYRESPONSE']._serialized_end=921
-  _globals['_SETPOLICYREQUEST']._serialized_start=923
-  _globals['_SETPOLICYREQUEST']._serialized_end=989
-  _globals['_SETPOLICYRESPONSE']._serialized_start=991
-  _globals['_SETPOLICYRESPONSE']._serialized_end=1058
-  _globals['_GETROUTERSTATSREQUEST']._serialized_start=1060
-  _globals['_GETROUTERSTATSREQUEST']._serialized_end=1138
-  _globals['_ROUTERSTATS']._serialized_start=1141
-  _globals['_ROUTERSTATS']._serialized_end=1606
-  _globals['_GETROUTERSTATSRESPONSE']._serialized_start=1609
-  _globals['_GETROUTERSTATSRESPONSE']._serialized_end=1747
-  _globals['_ADMINSERVICE']._serialized_start=1859
-  _globals['_ADMINSERVICE']._serialized_end=2189
+  _globals['_SERVERSTATS']._serialized_end=692
+  _globals['_PROPOSERSTATS']._serialized_start=695
+  _globals['_PROPOSERSTATS']._serialized_end=856
+  _globals['_GETSTATSREQUEST']._serialized_start=858
+  _globals['_GETSTATSREQUEST']._serialized_end=875
+  _globals['_GETSTATSRESPONSE']._serialized_start=878
+  _globals['_GETSTATSRESPONSE']._serialized_end=1033
+  _globals['_GETPOLICYREQUEST']._serialized_start=1035
+  _globals['_GETPOLICYREQUEST']._serialized_end=1053
+  _globals['_GETPOLICYRESPONSE']._serialized_start=1055
+  _globals['_GETPOLICYRESPONSE']._serialized_end=1122
+  _globals['_SETPOLICYREQUEST']._serialized_start=1124
+  _globals['_SETPOLICYREQUEST']._serialized_end=1190
+  _globals['_SETPOLICYRESPONSE']._serialized_start=1192
+  _globals['_SETPOLICYRESPONSE']._serialized_end=1259
+  _globals['_GETROUTERSTATSREQUEST']._serialized_start=1261
+  _globals['_GETROUTERSTATSREQUEST']._serialized_end=1339
+  _globals['_ROUTERSTATS']._serialized_start=1342
+  _globals['_ROUTERSTATS']._serialized_end=1807
+  _globals['_GETROUTERSTATSRESPONSE']._serialized_start=1810
+  _globals['_GETROUTERSTATSRESPONSE']._serialized_end=1948
+  _globals['_ADMINSERVICE']._serialized_start=2060
+  _globals['_ADMINSERVICE']._serialized_end=2390
 # @@protoc_insertion_point(module_scope)

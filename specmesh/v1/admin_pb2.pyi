@@ -31,7 +31,7 @@ class SpeculationPolicy(_message.Message):
     def __init__(self, mode: _Optional[_Union[PolicyMode, str]] = ..., proposer: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("model", "device", "dtype", "running_requests", "waiting_requests", "finished_requests", "rejected_requests", "cancelled_requests", "prompt_tokens", "generated_tokens", "steps", "max_running_requests", "max_context_tokens")
+    __slots__ = ("model", "device", "dtype", "running_requests", "waiting_requests", "finished_requests", "rejected_requests", "cancelled_requests", "prompt_tokens", "generated_tokens", "steps", "max_running_requests", "max_context_tokens", "preempted_requests", "kv_blocks", "kv_block_size", "kv_blocks_in_use", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "kv_evictions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,14 @@ class ServerStats(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     device: str
     dtype: str
@@ -58,7 +66,15 @@ class ServerStats(_message.Message):
     steps: int
     max_running_requests: int
     max_context_tokens: int
-    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., finished_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., cancelled_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_context_tokens: _Optional[int] = ...) -> None: ...
+    preempted_requests: int
+    kv_blocks: int
+    kv_block_size: int
+    kv_blocks_in_use: int
+    kv_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_evictions: int
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., finished_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., cancelled_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., preempted_requests: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_evictions: _Optional[int] = ...) -> None: ...
 
 class ProposerStats(_message.Message):
     __slots__ = ("proposer", "workload_tag", "steps", "drafted_tokens", "accepted_tokens", "invalid_trees", "fallbacks")

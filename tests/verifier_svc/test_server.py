@@ -209,9 +209,13 @@ def test_admin_switches_policy_at_runtime_and_reports_stats(client):
         client.set_policy(admin_pb2.SpeculationPolicy(mode=admin_pb2.POLICY_MODE_FIXED, proposer="ngram"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     client.set_policy(admin_pb2.SpeculationPolicy(mode=admin_pb2.POLICY_MODE_AUTO))
+    client.complete("Hello", _greedy(3))  # the same prompt again: a prefix-cache query
     stats = client.stats()
     assert stats.server.generated_tokens > 0 and stats.server.model == "smollm2-135m-instruct"
     assert stats.policy.mode == admin_pb2.POLICY_MODE_AUTO
+    s = stats.server
+    assert s.kv_block_size == 16 and s.kv_blocks_in_use <= s.kv_blocks and s.kv_blocks > 0
+    assert s.prefix_cache_queries >= s.prefix_cache_hits and s.prefix_cache_queries > 0
 
 
 def test_admin_policy_knobs_beyond_the_servers_limits_are_invalid_argument_naming_field_and_limit(client):
