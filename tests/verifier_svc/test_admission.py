@@ -60,11 +60,16 @@ def _request(ids: list[int], max_tokens: int, **kw) -> GenerationRequest:
 
 
 def _settled(eng: Engine) -> None:
-    """Every request released (the finish event is sent just before its slot is freed)."""
+    """Every request released (the finish event is sent just before its blocks go back), and with it
+    every block: free or cached, no reference left, whatever the requests' ends (finished, failed,
+    preempted and recomputed, refused)."""
     deadline = time.monotonic() + 10
     while eng.in_flight() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert eng.in_flight() == 0
+    pool = eng.blocks.pool
+    pool.check()
+    assert all(r == 0 for r in pool.refs) and pool.free_blocks == pool.num_blocks
 
 
 def _long_prompt(chat_ids, words: int) -> list[int]:
@@ -149,6 +154,25 @@ def test_after_requests_end_every_block_is_free_or_cached_and_the_same_prompt_hi
     assert second.tokens == first.tokens
     assert_greedy_equal(lm, ids, second.tokens, hf_greedy(ids, 12))
     assert pool.counters.hits == (len(ids) - 1) // 16 * 16
+    _settled(eng)
+
+
+@pytest.mark.slow
+def test_prompts_that_share_a_prefix_ending_mid_block_or_at_a_block_boundary_decode_as_without_the_cache(
+    lm, chat_ids, hf_greedy, engine_factory
+):
+    eng = engine_factory()
+    base = _long_prompt(chat_ids, 40)
+    first = Collector()
+    eng.submit(_request(base, 4, ignore_eos=True), first)
+    assert first.done.wait(120) and first.error is None
+    for shared in (16 * 3 + 7, 16 * 4):  # ends mid-block; ends at a block boundary
+        ids = base[:shared] + chat_ids("And now say something else entirely.")[5:]
+        out = Collector()
+        eng.submit(_request(ids, 12, ignore_eos=True), out)
+        assert out.done.wait(120) and out.error is None
+        assert out.finish.cached_tokens == shared // 16 * 16
+        assert_greedy_equal(lm, ids, out.tokens, hf_greedy(ids, 12))
     _settled(eng)
 
 
