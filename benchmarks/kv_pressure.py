@@ -12,6 +12,12 @@ deployment of its own (its own process, free loopback ports, a Prometheus port),
   time to first token; the short streams' median gap between tokens before it arrived (a plain step) and
   their largest gap while it was in prefill, against the bound 2 × plain step + one prefill chunk (the
   chunk's time: the mean of the long prompt's prefill forwards, from ``specmesh_step_seconds``).
+- **prefix_reuse**: with prefix caching on and off (a verifier each; the flag must exist), one request at
+  a time: a RAG set (one ``--rag-doc-tokens`` document, a different question each), an agent chain
+  (each call the previous prompt and answer plus ~100 tokens) and two-turn conversations. Reported per
+  set: time to first token of the requests whose beginning was seen before (median, on and off, and the
+  paired off/on ratio with its range), end-to-end output tokens per second on and off, whether the
+  outputs were equal, and the hit rate (admin stats).
 - **capacity**: under ``--kv-cache-memory``, one ``--capacity-long``-token request and ``--capacity-short``
   short ones sent at once. Reported: the most requests running at once (the admin stats, polled every
   50 ms), preemptions (``specmesh_preemptions_total``), the short requests' gaps between tokens (median,
@@ -52,6 +58,7 @@ class StreamRecord:
     sent: float = 0.0
     arrivals: list[float] = field(default_factory=list)
     tokens: int = 0
+    output: list[int] = field(default_factory=list)
     error: str = ""
 
     def gaps(self, start: float = 0.0, end: float = float("inf")) -> list[float]:
@@ -71,6 +78,7 @@ def stream(client: Client, rec: StreamRecord, ids: list[int], max_tokens: int) -
         for chunk in client.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), PLAIN):
             rec.arrivals.append(time.perf_counter())
             rec.tokens += len(chunk.token_ids)
+            rec.output += chunk.token_ids
     except Exception as exc:  # recorded: a refused or failed request is a result here
         rec.error = f"{type(exc).__name__}: {str(exc)[:200]}"
 
@@ -230,7 +238,82 @@ def capacity(a: argparse.Namespace, prompts: Prompts) -> dict:
         }
 
 
-SCENARIOS = {"long_beside_short": long_beside_short, "capacity": capacity}
+def prefix_sets(a: argparse.Namespace, prompts: Prompts) -> dict[str, list[list[list[int]]]]:
+    """Chains of prompts, each chain run in order; a chain's later prompts repeat what came before.
+
+    rag: one ``--rag-doc-tokens`` document, then a question, ``--rag-requests`` times (one chain each,
+    the document computed by the first); agent: a growing context, each call the previous prompt, its
+    answer (filled in as it runs) and ~100 new tokens; multiturn: a first turn, then the second turn
+    holding the first and its answer."""
+    doc = prompts.long(a.rag_doc_tokens, offset=101)
+    questions = prompts.short[: a.rag_requests]
+    return {
+        "rag": [[doc + q] for q in questions],
+        "agent": [[prompts.short[0]] + [prompts.long(100, offset=7 + 131 * k) for k in range(1, a.agent_calls)]],
+        "multiturn": [[prompts.short[i], prompts.short[-1 - i]] for i in range(a.turn_pairs)],
+    }
+
+
+def prefix_reuse(a: argparse.Namespace, prompts: Prompts) -> dict:
+    """Each set with prefix caching on, then off (one verifier each), one request at a time: time to
+    first token per request (paired by request), end-to-end output tokens per second, hit rate."""
+    sets = prefix_sets(a, prompts)
+    runs: dict[str, dict[str, list[StreamRecord]]] = {}
+    repeats: dict[str, list[bool]] = {}  # per request of a set: its beginning was computed before
+    hit_rate: dict[str, float] = {}
+    for caching in ("on", "off"):
+        port = free_port()
+        with deployment(a, ["--enable-prefix-caching", caching], port) as dep, Client(dep.verifier_address) as c:
+            c.complete(prompts.short[1][:8], SamplingParams(temperature=0, max_tokens=2), PLAIN)  # warm-up
+            before = (c.stats().server.prefix_cache_queries, c.stats().server.prefix_cache_hits)
+            for name, chains in sets.items():
+                recs = runs.setdefault(name, {}).setdefault(caching, [])
+                for i, chain in enumerate(chains):
+                    context: list[int] = []
+                    for k, part in enumerate(chain):
+                        # agent and multiturn: the previous prompt and its answer come first
+                        ids = context + part if k else list(part)
+                        rec = StreamRecord(f"{name}:{i}:{k}", len(ids))
+                        stream(c, rec, ids, a.reuse_tokens)
+                        recs.append(rec)
+                        if caching == "on":
+                            repeats.setdefault(name, []).append(k > 0 or (name == "rag" and i > 0))
+                        context = ids + rec.output
+            after = c.stats().server
+            queries, hits = after.prefix_cache_queries - before[0], after.prefix_cache_hits - before[1]
+            hit_rate[caching] = hits / queries if queries else 0.0
+    out: dict = {"hit_rate_on": hit_rate["on"], "hit_rate_off": hit_rate["off"]}
+    for name, by in runs.items():
+        on, off = by["on"], by["off"]
+        seen = [i for i, rep in enumerate(repeats[name]) if rep]  # the others compute what these reuse
+        ttft = {k: [r.arrivals[0] - r.sent for r in v] for k, v in by.items()}
+        ratios = sorted(ttft["off"][i] / ttft["on"][i] for i in seen)
+        tokens = {k: sum(r.tokens for r in v) for k, v in by.items()}
+        wall = {k: sum(r.arrivals[-1] - r.sent for r in v) for k, v in by.items()}
+        out[name] = {
+            "requests": len(on),
+            "prompt_tokens_median": statistics.median(r.prompt_tokens for r in on),
+            "ttft_on_s_median": statistics.median(ttft["on"][i] for i in seen),
+            "ttft_off_s_median": statistics.median(ttft["off"][i] for i in seen),
+            "ttft_off_over_on_median": statistics.median(ratios),
+            "ttft_off_over_on_range": [ratios[0], ratios[-1]],
+            "e2e_tokens_per_s_on": tokens["on"] / wall["on"],
+            "e2e_tokens_per_s_off": tokens["off"] / wall["off"],
+            "e2e_on_over_off": (tokens["on"] / wall["on"]) / (tokens["off"] / wall["off"]),
+            "outputs_equal": all(x.output == y.output for x, y in zip(on, off, strict=True)),
+        }
+    return out
+
+
+SCENARIOS = {"long_beside_short": long_beside_short, "capacity": capacity, "prefix_reuse": prefix_reuse}
+
+
+def fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, list) and all(isinstance(x, float) for x in v):
+        return "–".join(f"{x:.2f}" for x in v)
+    return str(v)
 
 
 def markdown(summary: dict) -> str:
@@ -244,7 +327,11 @@ def markdown(summary: dict) -> str:
     ]
     for name, res in summary["scenarios"].items():
         lines += [f"## {name}", "", "| quantity | value |", "|---|---|"]
-        lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in res.items()]
+        for k, v in res.items():
+            if isinstance(v, dict):
+                lines += [f"| {k}: {kk} | {fmt(vv)} |" for kk, vv in v.items()]
+            else:
+                lines.append(f"| {k} | {fmt(v)} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -264,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-long", type=int, default=6000, help="capacity: the long request's prompt")
     p.add_argument("--capacity-short", type=int, default=15, help="capacity: short requests")
     p.add_argument("--capacity-tokens", type=int, default=64, help="capacity: tokens per request")
+    p.add_argument("--rag-doc-tokens", type=int, default=2000, help="prefix_reuse: the shared document")
+    p.add_argument("--rag-requests", type=int, default=6, help="prefix_reuse: questions over it")
+    p.add_argument("--agent-calls", type=int, default=6, help="prefix_reuse: calls in the agent chain")
+    p.add_argument("--turn-pairs", type=int, default=4, help="prefix_reuse: two-turn conversations")
+    p.add_argument("--reuse-tokens", type=int, default=32, help="prefix_reuse: tokens per request")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     names = a.scenarios.split(",")
