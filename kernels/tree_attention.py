@@ -1,10 +1,10 @@
-"""Tree attention over the slot KV cache: a Triton kernel, its host launcher, and the torch reference.
+"""Tree attention over per-request key/value rows: a Triton kernel, its host launcher, and the torch reference.
 
 One launch covers every request of a verification step. Queries are ragged: request ``b`` brings
 ``q_len[b]`` rows (its pending token and its tree nodes), flattened without padding and located by
-``cu_seqlens`` (``[0, n_0, n_0 + n_1, …]``). Keys and values are read in place from the verifier's
-cache layout ``[slots, kv_heads, seq, head_dim]`` (``specmesh_server.kv_cache.SlotKVCache``): request
-``b`` lives in slot ``slots[b]``, its cached prefix is positions ``0 .. prefix_lens[b]-1`` and its new
+``cu_seqlens`` (``[0, n_0, n_0 + n_1, …]``). Keys and values are read in place, any strides, from a
+layout ``[slots, kv_heads, seq, head_dim]`` (the rows the verifier's paged cache gathers for a forward,
+``specmesh_server.paged_kv``; or a slot cache's rows): request ``b`` lives in slot ``slots[b]``, its cached prefix is positions ``0 .. prefix_lens[b]-1`` and its new
 rows were written at ``prefix_lens[b] + j``. Query ``i`` of request ``b`` sees the whole prefix and
 the new keys ``j`` whose bit is set in ``tree_bits[cu_seqlens[b] + i]`` (an int64 ancestor bitmask,
 so at most 64 new rows per request; see :func:`ancestor_bits`). Plain decode is the case ``q_len = 1``,

@@ -1,4 +1,4 @@
-"""Slot-based KV cache shared by all running requests of one verifier.
+"""Slot-based KV cache: the draft proposer's (the verifier's is paged, ``paged_kv``).
 
 Each running request owns a *slot* (a row of every layer's key/value buffer) and keeps its
 tokens left-aligned in it, so requests of different lengths live side by side without
@@ -11,15 +11,13 @@ The object duck-types the part of transformers' ``Cache`` that decoder layers ca
 passed as the model's ``cache=`` argument. Which positions the new tokens are written to
 is set per forward by :meth:`begin_forward`; masking is the caller's 4D attention mask.
 
-The cache can be held to a token budget (``token_budget``: slots × positions allocated, from the
-``--kv-cache-memory`` flag): growth stops at it, and :meth:`fit` gives memory back when the running
-requests need much less than is allocated (after a long request ends).
+The cache can be held to a token budget (``token_budget``: slots × positions allocated): growth
+stops at it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 from collections.abc import Iterator
 
@@ -132,17 +130,6 @@ class SlotKVCache:
             new_slots, new_seq = self.plan(slots, seq)
         self._alloc(new_slots, new_seq)
 
-    def fit(self, slots: int, seq: int) -> bool:
-        """Give memory back when the first ``slots`` rows need only ``seq`` positions and that plans
-        to a quarter of what is allocated or less (not less: a request joining or leaving would
-        reallocate back and forth). Contents of those rows are kept. True if it shrank."""
-        new_slots, new_seq = self.plan(slots, seq)
-        if 4 * new_slots * new_seq > self.slot_capacity * self.seq_capacity:
-            return False
-        self._alloc(new_slots, new_seq)
-        release_freed_memory(self.device)
-        return True
-
     @contextlib.contextmanager
     def measurement_rows(self, rows: int, positions: int) -> Iterator[slice]:
         """Slots 0..rows-1, grown to ``positions`` positions (the step-cost measurement)."""
@@ -202,16 +189,6 @@ class SlotKVCache:
     @property
     def is_compileable(self) -> bool:
         return False
-
-
-def release_freed_memory(device: torch.device) -> None:
-    """Hand freed tensor memory back to the system: the CUDA caching allocator's blocks, or on Linux
-    the C heap's free pages (large buffers are unmapped on free; smaller ones stay in the heap)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def default_budget_bytes(device: torch.device) -> int:
