@@ -4,10 +4,11 @@ One launch covers every request of a verification step. Queries are ragged: requ
 ``q_len[b]`` rows (its pending token and its tree nodes), flattened without padding and located by
 ``cu_seqlens`` (``[0, n_0, n_0 + n_1, …]``). Keys and values are read in place, any strides, from a
 layout ``[slots, kv_heads, seq, head_dim]`` (the rows the verifier's paged cache gathers for a forward,
-``specmesh_server.paged_kv``; or a slot cache's rows): request ``b`` lives in slot ``slots[b]``, its cached prefix is positions ``0 .. prefix_lens[b]-1`` and its new
-rows were written at ``prefix_lens[b] + j``. Query ``i`` of request ``b`` sees the whole prefix and
-the new keys ``j`` whose bit is set in ``tree_bits[cu_seqlens[b] + i]`` (an int64 ancestor bitmask,
-so at most 64 new rows per request; see :func:`ancestor_bits`). Plain decode is the case ``q_len = 1``,
+``specmesh_server.paged_kv``; or a slot cache's rows): request ``b`` lives in slot ``slots[b]``, its
+cached prefix is positions ``0 .. prefix_lens[b]-1`` and its new rows were written at
+``prefix_lens[b] + j``. Query ``i`` of request ``b`` sees the whole prefix and the new keys ``j`` whose
+bit is set in ``tree_bits[cu_seqlens[b] + i]`` (an int64 ancestor bitmask, so at most 64 new rows per
+request; see :func:`ancestor_bits`). Plain decode is the case ``q_len = 1``,
 bits ``1``; a causal chunk of ``n <= 64`` tokens has bits ``2**(i+1) - 1``.
 
 Kernel (flash-decoding style): one program per (request, block of ``BLOCK_M`` query rows, kv head,
