@@ -26,6 +26,15 @@ import torch
 MIN_SLOTS, MIN_SEQ = 4, 512  # the smallest allocation; below it reallocating costs more than it saves
 
 
+def bytes_per_position(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Keys and values of one position in every layer.
+
+    >>> bytes_per_position(30, 3, 64, torch.float32)   # SmolLM2-135M in fp32
+    46080
+    """
+    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class KVBudgetExceeded(MemoryError):
     """Asked to hold more slots × positions than the cache's token budget."""
 
@@ -70,8 +79,7 @@ class SlotKVCache:
     @property
     def bytes_per_token(self) -> int:
         """Keys and values of one position in every layer."""
-        heads, dim = self.shape_tail
-        return 2 * self.num_layers * heads * dim * torch.empty((), dtype=self.dtype).element_size()
+        return bytes_per_position(self.num_layers, *self.shape_tail, self.dtype)
 
     @property
     def allocated_bytes(self) -> int:

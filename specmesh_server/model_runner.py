@@ -16,7 +16,7 @@ import torch
 
 from specmesh_router.cost_model import ContextCost, StepCost
 from specmesh_server import attention, packed_linear
-from specmesh_server.kv_cache import SlotKVCache, default_budget_bytes
+from specmesh_server.kv_cache import SlotKVCache, bytes_per_position, default_budget_bytes
 from specmesh_server.paged_kv import PagedKVCache, PagedRows
 
 
@@ -70,7 +70,7 @@ class ModelRunner:
         kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
         self.vocab_size = int(text_cfg.vocab_size)
         layers, heads = text_cfg.num_hidden_layers, text_cfg.num_attention_heads
-        bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        bytes_per_token = bytes_per_position(layers, kv_heads, head_dim, dtype)
         # A new token's linear layers (2 flops per weight) cost as much as attending this many cached
         # keys (4 flops per key, head dimension, head and layer): how prefill work grows with position.
         self.keys_per_token = max(weights / (2 * head_dim * heads * layers), 256.0)

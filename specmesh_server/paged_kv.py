@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from specmesh_server.kv_blocks import BlockManager, BlockPool, BlockTable
+from specmesh_server.kv_cache import bytes_per_position
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -101,8 +102,7 @@ class PagedKVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        heads, dim = self.shape_tail
-        return 2 * self.num_layers * heads * dim * torch.empty((), dtype=self.dtype).element_size()
+        return bytes_per_position(self.num_layers, *self.shape_tail, self.dtype)
 
     @property
     def allocated_bytes(self) -> int:
