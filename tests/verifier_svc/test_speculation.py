@@ -70,7 +70,7 @@ def prompts(chat_ids):
 
 
 def test_greedy_with_ngram_is_token_identical_on_workload_prompts_at_batch_one(lm, spec_verifier, prompts, hf_greedy):
-    drafted = accepted = 0
+    drafted = accepted = cached = 0
     with Client(spec_verifier.address) as c:
         for ids in prompts:
             out = c.complete(ids, _greedy(24), NGRAM)
@@ -79,7 +79,9 @@ def test_greedy_with_ngram_is_token_identical_on_workload_prompts_at_batch_one(l
             assert not m.fallback_reason and m.per_proposer["ngram"].drafted_tokens == m.drafted_tokens
             drafted += m.drafted_tokens
             accepted += m.accepted_tokens
+            cached += out.summary.cached_tokens
     assert drafted > 0 and accepted > 0  # speculation really happened
+    assert cached > 0  # and on prefixes from the cache (the chat template's first block, at least)
 
 
 def test_greedy_with_ngram_is_token_identical_with_eight_concurrent_requests(lm, spec_verifier, prompts, hf_greedy):

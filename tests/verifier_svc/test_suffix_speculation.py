@@ -213,6 +213,8 @@ def test_greedy_with_a_warm_suffix_cache_is_token_identical_with_eight_concurren
         outs = list(pool.map(lambda ids: complete(cluster, ids, "suffix", warm_scope, GREEDY_TOKENS), prompts))
     for ids, out in zip(prompts, outs, strict=True):
         assert_plain(lm, plain, ids, out)
+        # The reference ran these prompts on this verifier: prefix caching (on) found their blocks.
+        assert out.summary.cached_tokens == (len(ids) - 1) // 16 * 16
     cluster.a.settled()
     assert sum(accepted(out, "suffix") for out in outs) > 0
     assert cluster.a.global_trees() > trees
