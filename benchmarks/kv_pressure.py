@@ -19,9 +19,10 @@ deployment of its own (its own process, free loopback ports, a Prometheus port),
   paired off/on ratio with its range), end-to-end output tokens per second on and off, whether the
   outputs were equal, and the hit rate (admin stats).
 - **capacity**: under ``--kv-cache-memory``, one ``--capacity-long``-token request and ``--capacity-short``
-  short ones sent at once. Reported: the most requests running at once (the admin stats, polled every
-  50 ms), preemptions (``specmesh_preemptions_total``), the short requests' gaps between tokens (median,
-  p99, largest) and how many finished.
+  short ones sent at once. Reported: the most requests running at once, overall and while the long one
+  runs (the admin stats, polled every 50 ms), the short requests' time to first token, preemptions
+  (``specmesh_preemptions_total``), the short requests' gaps between tokens (median, p99, largest) and
+  how many finished.
 
 Writes ``summary.json`` and ``summary.md`` to ``--out``.
 """
@@ -202,11 +203,12 @@ def capacity(a: argparse.Namespace, prompts: Prompts) -> dict:
             threading.Thread(target=stream, args=(c, r, ids, a.capacity_tokens), daemon=True)
             for r, ids in zip(recs, inputs, strict=True)
         ]
-        most, stop = [0], threading.Event()
+        samples: list[tuple[float, int]] = []  # (perf_counter, running requests)
+        stop = threading.Event()
 
         def poll() -> None:
             while not stop.is_set():
-                most[0] = max(most[0], c.stats().server.running_requests)
+                samples.append((time.perf_counter(), c.stats().server.running_requests))
                 time.sleep(0.05)
 
         poller = threading.Thread(target=poll, daemon=True)
@@ -221,12 +223,18 @@ def capacity(a: argparse.Namespace, prompts: Prompts) -> dict:
         poller.join()
         wall = time.perf_counter() - t0
         gaps = [g for r in recs[1:] for g in r.gaps()]
+        long_end = recs[0].arrivals[-1] if recs[0].arrivals else float("inf")
+        beside = [n for t, n in samples if recs[0].sent <= t <= long_end]
+        short_ttft = [r.arrivals[0] - r.sent for r in recs[1:] if r.arrivals]
         return {
             "kv_cache_memory": a.kv_cache_memory,
             "long_prompt_tokens": a.capacity_long,
             "short_requests": a.capacity_short,
             "max_tokens": a.capacity_tokens,
-            "most_running": most[0],
+            "most_running": max((n for _, n in samples), default=0),
+            "most_running_beside_long": max(beside, default=0),
+            "short_ttft_median_s": statistics.median(short_ttft) if short_ttft else float("nan"),
+            "short_ttft_max_s": max(short_ttft, default=float("nan")),
             "preemptions": preemptions(port),
             "short_gap_median_s": statistics.median(gaps) if gaps else float("nan"),
             "short_gap_p99_s": percentile(gaps, 99) if gaps else float("nan"),

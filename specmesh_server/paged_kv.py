@@ -6,11 +6,12 @@ flat *slot* of position p of a request being ``table[p // block_size] · block_s
 The extra last block is scratch: padding tokens of a padded forward write there, and the positions a
 row reads past its own blocks come from there (its mask hides them).
 
-A forward writes its new tokens' keys and values at their slots, then gathers each row's first
-``kv_len`` positions into a buffer reused across layers and steps, ``[b, kv_heads, kv_len, head_dim]``
-as the attention functions take it (``attention``): one copy of the rows' context per layer, where the
-dense cache's rows were views. The object duck-types the part of transformers' ``Cache`` the decoder
-layers call, like ``kv_cache.SlotKVCache``, so the stock HF model runs over it (``cache=``).
+A forward writes its new tokens' keys and values at their slots, then gathers the blocks holding each
+row's first ``kv_len`` positions, block by block, into a buffer reused across layers and steps, read as
+``[b, kv_heads, kv_len, head_dim]`` as the attention functions take it (``attention``): one copy of the
+rows' context per layer, where the dense cache's rows were views (``benchmarks/paged_step.py`` measures
+what that costs). The object duck-types the part of transformers' ``Cache`` the decoder layers call,
+like ``kv_cache.SlotKVCache``, so the stock HF model runs over it (``cache=``).
 
 Every slot holds a finite value before it is first written: a masked key still enters its score
 (q · k, then the mask's large negative), and NaN there, from uninitialised memory, would make the
@@ -150,11 +151,11 @@ class PagedKVCache:
         b = rows.batch
         row_index = token_rows if token_rows is not None else torch.arange(b, device=self.device)[:, None]
         self._write = self.slots(rows, write_pos, row_index).reshape(-1)  # [tokens]
-        keys = torch.arange(kv_len, device=self.device)
-        self._read = self.slots(rows, keys[None, :], torch.arange(b, device=self.device)[:, None]).reshape(-1)
+        cols = -(-kv_len // self.block_size)
+        self._read = rows.table[:, :cols].reshape(-1)  # [b · cols] whole blocks, gathered block by block
         self._rows_len = (b, kv_len)
         heads, dim = self.shape_tail
-        need = heads * b * kv_len * dim
+        need = heads * b * cols * self.block_size * dim
         if self._buffers is None or self._buffers[0].numel() < need:
             self._buffers = tuple(torch.empty(need, dtype=self.dtype, device=self.device) for _ in range(2))
 
@@ -165,13 +166,17 @@ class PagedKVCache:
         return the rows' [b, kv_heads, kv_len, dim] context, gathered."""
         heads, dim = self.shape_tail
         b, kv_len = self._rows_len
+        bs, blocks = self.block_size, self._read.numel()
         out = []
         for pool, new, buf in zip((self.keys, self.values), (key_states, value_states), self._buffers, strict=True):
             layer = pool[layer_idx]  # [kv_heads, slots, dim]
             layer[:, self._write] = new.transpose(0, 1).reshape(heads, -1, dim).to(layer.dtype)
-            flat = buf[: heads * b * kv_len * dim].view(heads, b * kv_len, dim)
-            torch.index_select(layer, 1, self._read, out=flat)
-            out.append(flat.view(heads, b, kv_len, dim).transpose(0, 1))  # [b, kv_heads, kv_len, dim]
+            # Whole blocks, each one contiguous run of block_size × dim values (as fast as position by
+            # position here: the copy is bound by memory, not by the number of indices).
+            flat = buf[: heads * blocks * bs * dim].view(heads, blocks, bs * dim)
+            torch.index_select(layer.view(heads, -1, bs * dim), 1, self._read, out=flat)
+            rows = flat.view(heads, b, -1, dim)[:, :, :kv_len]  # [kv_heads, b, kv_len, dim]
+            out.append(rows.transpose(0, 1))  # [b, kv_heads, kv_len, dim]
         return out[0], out[1]
 
     def copy_positions(self, table: BlockTable, src: torch.Tensor, dst_start: int) -> None:
