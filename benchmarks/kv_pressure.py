@@ -12,7 +12,7 @@ deployment of its own (its own process, free loopback ports, a Prometheus port),
   time to first token; the short streams' median gap between tokens before it arrived (a plain step) and
   their largest gap while it was in prefill, against the bound 2 × plain step + one prefill chunk (the
   chunk's time: the mean of the long prompt's prefill forwards, from ``specmesh_step_seconds``).
-- **prefix_reuse**: with prefix caching on and off (a verifier each; the flag must exist), one request at
+- **prefix_reuse**: with prefix caching on and off (a verifier each), one request at
   a time: a RAG set (one ``--rag-doc-tokens`` document, a different question each), an agent chain
   (each call the previous prompt and answer plus ~100 tokens) and two-turn conversations. Reported per
   set: time to first token of the requests whose beginning was seen before (median, on and off, and the
@@ -269,9 +269,9 @@ def prefix_reuse(a: argparse.Namespace, prompts: Prompts) -> dict:
     runs: dict[str, dict[str, list[StreamRecord]]] = {}
     repeats: dict[str, list[bool]] = {}  # per request of a set: its beginning was computed before
     hit_rate: dict[str, float] = {}
-    for caching in ("on", "off"):
+    for caching, flag in (("on", "yes"), ("off", "no")):
         port = free_port()
-        with deployment(a, ["--enable-prefix-caching", caching], port) as dep, Client(dep.verifier_address) as c:
+        with deployment(a, ["--enable-prefix-caching", flag], port) as dep, Client(dep.verifier_address) as c:
             c.complete(prompts.short[1][:8], SamplingParams(temperature=0, max_tokens=2), PLAIN)  # warm-up
             before = (c.stats().server.prefix_cache_queries, c.stats().server.prefix_cache_hits)
             for name, chains in sets.items():

@@ -105,7 +105,7 @@ def build_flags() -> ServiceFlags:
         "--enable-prefix-caching",
         True,
         boolean,
-        "reuse the KV of prompt prefixes seen before, within one tenant (on/off)",
+        "reuse the KV of prompt prefixes seen before, within one cache_scope (the gateway: one API key)",
     )
     f.add(
         "--proposer",
