@@ -136,11 +136,11 @@ class PagedKVCache:
                 self.manager.close(t)
 
     # --- forward protocol ---------------------------------------------------------------
-    def slots(self, rows: PagedRows, positions: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
-        """Flat slots of ``positions`` (int64, any shape) of rows ``row_index`` (broadcast with it)."""
-        bs, table = self.block_size, rows.table
-        blocks = torch.clamp(positions // bs, max=table.shape[1] - 1)
-        return table[row_index, blocks] * bs + positions % bs
+    def slots(self, table: torch.Tensor, positions: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
+        """Flat slots of ``positions`` (int64, any shape, each below the table's columns × block size) of
+        rows ``row_index`` (broadcast with it)."""
+        bs = self.block_size
+        return table[row_index, positions // bs] * bs + positions % bs
 
     def begin_forward(
         self, rows: PagedRows, write_pos: torch.Tensor, kv_len: int, token_rows: torch.Tensor | None = None
@@ -149,10 +149,17 @@ class PagedKVCache:
         (packed, ``token_rows`` [1, N]: token t of row ``token_rows[0, t]`` to ``write_pos[0, t]``);
         attention sees each row's positions < ``kv_len``."""
         b = rows.batch
-        row_index = token_rows if token_rows is not None else torch.arange(b, device=self.device)[:, None]
-        self._write = self.slots(rows, write_pos, row_index).reshape(-1)  # [tokens]
+        # Every position a forward writes or reads is below kv_len (the mask spans them all), and a row's
+        # padding reaches up to it even where the row's own tokens end sooner (a ragged prefill): the
+        # table covers kv_len, past a row's blocks with the scratch block, so padding never lands in a
+        # block of the row's.
         cols = -(-kv_len // self.block_size)
-        self._read = rows.table[:, :cols].reshape(-1)  # [b · cols] whole blocks, gathered block by block
+        table = rows.table[:, :cols]
+        if table.shape[1] < cols:
+            table = torch.cat([table, table.new_full((b, cols - table.shape[1]), self.scratch)], dim=1)
+        row_index = token_rows if token_rows is not None else torch.arange(b, device=self.device)[:, None]
+        self._write = self.slots(table, write_pos, row_index).reshape(-1)  # [tokens]
+        self._read = table.reshape(-1)  # [b · cols] whole blocks, gathered block by block
         self._rows_len = (b, kv_len)
         heads, dim = self.shape_tail
         need = heads * b * cols * self.block_size * dim

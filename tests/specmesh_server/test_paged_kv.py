@@ -107,3 +107,34 @@ def test_moving_the_accepted_nodes_entries_equals_the_slot_caches_move(tiny_llam
             positions = torch.arange(n)
             slots = table[0, positions // BS] * BS + positions % BS
             torch.testing.assert_close(pool[:, slots], dense[0, :, :n])
+
+
+def test_a_ragged_prefill_never_writes_padding_into_a_rows_own_blocks(tiny_llama):
+    """Row 0 brings 1 token at position 10 beside row 1's 5 from position 1: row 0's padding reaches
+    position 14, past its own 11 positions (3 blocks), and must land in scratch, not in its block 2."""
+    cpu, f32 = torch.device("cpu"), torch.float32
+    slot = ModelRunner(copy.deepcopy(tiny_llama), cpu, f32, 256)
+    paged = ModelRunner(copy.deepcopy(tiny_llama), cpu, f32, 256, kv_budget_bytes=2**20, block_size=BS)
+    prompts = [list(range(1, 12)), [20, 21, 22, 23, 24, 25]]
+    outs = []
+    for runner in (slot, paged):
+        tables = [BlockTable(b"") for _ in prompts]
+        lengths = [0, 0]
+        for chunks in ([prompts[0][:10], prompts[1][:1]], [prompts[0][10:], prompts[1][1:]]):
+            step = prefill_inputs(chunks, lengths, cpu)
+            ends = [n + len(c) for n, c in zip(lengths, chunks, strict=True)]
+            if runner is paged:  # as the engine asks: tables grown to each row's end, rows up to the longest
+                for t, end in zip(tables, ends, strict=True):
+                    paged.cache.manager.grow(t, end)
+                where = paged.cache.rows(tables, max(ends))
+            else:
+                where = slice(0, 2)
+            runner.forward(where, step.input_ids, step.positions, step.mask)
+            lengths = ends
+        after = decode_inputs([30, 31], lengths, [TREES[1]] * 2, cpu)
+        if runner is paged:
+            for t, n in zip(tables, lengths, strict=True):
+                paged.cache.manager.grow(t, n + 1)
+            where = paged.cache.rows(tables, max(lengths) + 1)
+        outs.append(runner.forward(where, after.input_ids, after.positions, after.mask, after.write_pos))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
