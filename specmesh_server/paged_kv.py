@@ -117,11 +117,8 @@ class PagedKVCache:
         [[3, 1, 4], [0, 4, 4]]
         """
         cols = max(-(-positions // self.block_size), 1)
-        table = torch.full((len(tables), cols), self.scratch, dtype=torch.long)
-        for i, t in enumerate(tables):
-            n = min(len(t.blocks), cols)
-            table[i, :n] = torch.tensor(t.blocks[:n], dtype=torch.long)
-        return PagedRows(table.to(self.device))
+        padded = [t.blocks[:cols] + [self.scratch] * (cols - len(t.blocks[:cols])) for t in tables]
+        return PagedRows(torch.tensor(padded, dtype=torch.long, device=self.device))  # one host→device copy
 
     @contextlib.contextmanager
     def measurement_rows(self, rows: int, positions: int) -> Iterator[PagedRows]:

@@ -97,7 +97,7 @@ def engine_factory(lm):
         assert (
             kv_budget_tokens is None or kv_budget_tokens - 32 < runner.cache.token_budget <= kv_budget_tokens
         )  # whole blocks and scratch
-        eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(kv_budget_tokens=kv_budget_tokens, **cfg))
+        eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(**cfg))
         eng.start()
         engines.append(eng)
         return eng

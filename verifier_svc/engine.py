@@ -56,7 +56,6 @@ class EngineConfig:
     max_running: int = 32  # requests decoded together (batch slots)
     max_waiting: int = 64  # admitted but not yet running; beyond running + waiting → rejected
     prefill_chunk_tokens: int = 512  # a prefill forward's work, in tokens at a prompt's start
-    kv_budget_tokens: int | None = None  # KV cache positions the block pool holds (None: the runner's)
     kv_margin: int = 256  # positions per row left to grow into when a waiting request joins
     cache_namespace: str = ""  # the model's name: cached prefixes are shared within it (and a tenant)
     step_room: int = 129  # positions one decode step writes per row at most: pending token + tree

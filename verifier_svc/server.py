@@ -92,9 +92,7 @@ async def run(config: VerifierConfig) -> None:
         lm.tokenizer,
         eos_token_ids(lm.model, lm.tokenizer),
         max_context,
-        dataclasses.replace(
-            config.engine, kv_budget_tokens=kv_tokens, step_room=step_room, cache_namespace=str(lm.path)
-        ),
+        dataclasses.replace(config.engine, step_room=step_room, cache_namespace=str(lm.path)),
         speculation,
         metrics=metrics,
         thread=torch_thread,

@@ -105,13 +105,13 @@ def serve(model: torch.nn.Module, kernels: bool, wants: list[list[int]]) -> tupl
     )
     assert runner.tree_kernel is kernels
     eng = Engine(runner, ToyTokenizer(), {2}, 256, EngineConfig(device_accept=kernels))
-    eng.start()
     try:
         spec = SpecParams("oracle", 0, 0, "", "")
         outs = [Collector() for _ in PROMPTS]
         for i, (prompt, want, out) in enumerate(zip(PROMPTS, wants, outs, strict=True)):
             req = GenerationRequest(f"r{i}", prompt, 0.0, 1.0, 0, 1, MAX_TOKENS, (), True, spec)
             eng.submit(req, out, RequestSpeculation.start(OracleSession(prompt, want, DEPTHS[i])))
+        eng.start()  # after every submit: all join at the first step, so both runs take the same steps
         for out in outs:
             assert out.done.wait(300)
         return outs, eng.stats.steps
