@@ -19,6 +19,9 @@ the mask (``specmesh_kernels.tree_attention.TreeMeta``, keyword ``specmesh_tree`
 run the kernel on the cache's own key/value views instead. One attention function, registered with
 transformers once, serves both paths.
 
+Over the paged cache on a CPU, ``update`` hands this function a ``paged_kv.BlockContext`` instead of
+key/value tensors: :func:`paged_attention` then attends each row to its own blocks where they lie.
+
 A **packed** forward (keyword ``specmesh_packed``, a :class:`Packing`) brings the batch's real
 tokens only, as one row [1, N]: the linear layers, most of a step's work, then skip the padding a
 [b, width] layout gives every row shorter than the widest. Attention alone needs the rows apart
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from specmesh_server.paged_kv import BlockContext
 
 ATTN_NAME = "specmesh"
 META_KWARG = "specmesh_tree"  # the tree kernel's mask metadata, passed through the decoder's kwargs
@@ -91,6 +96,68 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask if mask.shape[-2] == 1 else mask.repeat(1, 1, groups, 1)
 
 
+def folded_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """:func:`fold_mask`, once per forward: every layer gets the same mask object."""
+    global _folded
+    cached = _folded
+    if cached is not None and cached[0] is mask and cached[1] == groups:
+        return cached[2]
+    folded = fold_mask(mask, groups)
+    _folded = (mask, groups, folded)
+    return folded
+
+
+def paged_attention(
+    query: torch.Tensor, keys: BlockContext, values: BlockContext, mask: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """query [b, H, n, D] over each row's own runs of blocks, where they lie in the pools → [b, n, H, D].
+
+    A row's parts r — its long runs, and its short ones copied together (``paged_kv.plan_reads``) — are
+    attended one by one (``aten._scaled_dot_product_flash_attention_for_cpu``, which
+    also returns each query's log-sum-exp of scores ``lse_r``) and merged exactly:
+
+        out = Σ_r exp(lse_r − LSE) · out_r,        LSE = log Σ_r exp(lse_r)
+
+    (each run's softmax re-weighted by its share of the row's total mass). A run wholly below the
+    row's ``shared`` position is seen by every query: attended without the mask. Queries are folded
+    per key/value head as in :func:`attention_forward`, so no key or value is repeated or copied.
+    """
+    b, heads, n, dim = query.shape
+    kv_heads = keys.pool.shape[0]
+    groups = heads // kv_heads
+    q = fold_queries(query, groups)  # [b, kv_heads, g·n, D]
+    folded = folded_mask(mask, groups)  # [b, 1, g·n, kv_len]
+    out = query.new_empty(b, kv_heads, groups * n, dim)
+    for i, row in enumerate(keys.rows):
+        parts = []
+        for run in row.runs:
+            end = run.slot + run.stop - run.start
+            k, v = keys.pool[None, :, run.slot : end], values.pool[None, :, run.slot : end]  # [1, kv_heads, len, D]
+            m = None if run.stop <= row.shared else folded[i : i + 1, :, :, run.start : run.stop]
+            parts.append(_flash(q[i : i + 1], k, v, m, scaling))
+        if (g := row.gathered) is not None:  # the row's short runs, copied together
+            end = g.slot + g.positions.numel()
+            k, v = keys.gathered[None, :, g.slot : end], values.gathered[None, :, g.slot : end]
+            m = None if g.last < row.shared else folded[i : i + 1, :, :, g.positions]
+            parts.append(_flash(q[i : i + 1], k, v, m, scaling))
+        if len(parts) == 1:
+            out[i] = parts[0][0][0]
+            continue
+        outs = torch.stack([o[0] for o, _ in parts]).float()  # [runs, kv_heads, g·n, D]
+        weights = torch.softmax(torch.stack([lse[0] for _, lse in parts]), dim=0)  # [runs, kv_heads, g·n] fp32
+        out[i] = (weights[..., None] * outs).sum(0)
+    return out.view(b, heads, n, dim).transpose(1, 2).contiguous()
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [1, h, n, D], fp32 log-sum-exp [1, h, n]) of one run."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scaling
+    )
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -108,8 +175,9 @@ def attention_forward(
             module, packing.pad(query), key, value, attention_mask, dropout, scaling, **kwargs
         )  # [b, width, H, D]
         return packing.unpad(out), None
-    global _folded
     meta = kwargs.pop(META_KWARG, None)
+    if isinstance(key, BlockContext):
+        return paged_attention(query, key, value, attention_mask, scaling), None
     if meta is not None and query.dtype in (torch.float16, torch.bfloat16, torch.float32) and key.stride(3) == 1:
         return _tree_kernel(query, key, value, meta, scaling), None
     b, heads, n, dim = query.shape
@@ -120,12 +188,7 @@ def attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    cached = _folded
-    if cached is not None and cached[0] is attention_mask and cached[1] == groups:
-        mask = cached[2]  # folded once per forward, not once per layer
-    else:
-        mask = fold_mask(attention_mask, groups)  # [b, 1, g·n, kv]
-        _folded = (attention_mask, groups, mask)
+    mask = folded_mask(attention_mask, groups)  # [b, 1, g·n, kv]
     out = torch.nn.functional.scaled_dot_product_attention(
         fold_queries(query, groups), key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=False
     )  # [b, kv_heads, g·n, D]

@@ -127,14 +127,28 @@ class BlockPool:
                 del self.queue[b]
             self.refs[b] += 1
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
         """``n`` blocks with one reference each, least recently used first; an evictable block's hash
-        is dropped. NoFreeBlocks (nothing taken) when fewer than ``n`` are free."""
+        is dropped. NoFreeBlocks (nothing taken) when fewer than ``n`` are free.
+
+        Each block is the one after the last (after ``after`` for the first) where that one is free
+        and caches nothing: a table's blocks then lie in runs that attention reads where they lie
+        (``paged_kv``), and no cached block leaves the queue out of its turn.
+
+        >>> pool = BlockPool(8, block_size=2)
+        >>> pool.release(pool.allocate(8)[::-1])     # the queue is now 7, 6, …, 0
+        >>> pool.allocate(3), pool.allocate(2, after=0)
+        ([7, 6, 5], [1, 2])
+        """
         if n > len(self.queue):
             raise NoFreeBlocks(f"{n} KV blocks asked, {len(self.queue)} free of {self.num_blocks}")
         out = []
         for _ in range(n):
-            b, _ = self.queue.popitem(last=False)
+            b = -1 if after is None else after + 1
+            if 0 <= b < self.num_blocks and self.refs[b] == 0 and self.hash_of[b] is None:
+                del self.queue[b]
+            else:
+                b, _ = self.queue.popitem(last=False)
             h = self.hash_of[b]
             if h is not None:
                 del self.cached[h]
@@ -142,6 +156,7 @@ class BlockPool:
                 self.counters.evictions += 1
             self.refs[b] = 1
             out.append(b)
+            after = b
         return out
 
     def register(self, block: int, h: BlockHash) -> None:
@@ -247,7 +262,7 @@ class BlockManager:
         the pool cannot)."""
         missing = self.blocks_for(positions) - len(table.blocks)
         if missing > 0:
-            table.blocks += self.pool.allocate(missing)
+            table.blocks += self.pool.allocate(missing, after=table.blocks[-1] if table.blocks else None)
 
     def shrink(self, table: BlockTable, positions: int) -> None:
         """Release the blocks past ``positions`` (a verification step's rejected tail)."""

@@ -17,7 +17,7 @@ import torch
 from specmesh_router.cost_model import ContextCost, StepCost
 from specmesh_server import attention, packed_linear
 from specmesh_server.kv_cache import SlotKVCache, bytes_per_position, default_budget_bytes
-from specmesh_server.paged_kv import PagedKVCache, PagedRows
+from specmesh_server.paged_kv import PagedKVCache
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -74,12 +74,19 @@ class ModelRunner:
         # A new token's linear layers (2 flops per weight) cost as much as attending this many cached
         # keys (4 flops per key, head dimension, head and layer): how prefill work grows with position.
         self.keys_per_token = max(weights / (2 * head_dim * heads * layers), 256.0)
+        # The kernel applies neither sliding windows nor soft-capping either: supported models only.
+        supported = attention.supports(cfg)
+        self.tree_kernel = supported and (device.type == "cuda" if tree_kernel is None else tree_kernel)
+        self.packs = supported  # packed forwards need this module's attention function
         self.cache: PagedKVCache | SlotKVCache
         if block_size is not None:
             budget = default_budget_bytes(device) if kv_budget_bytes is None else kv_budget_bytes
             blocks = budget // (bytes_per_token * block_size) - 1  # and the scratch block: within the budget
+            # On a CPU this module's attention reads the blocks where they lie; elsewhere (one launch over
+            # the batch, the tree kernel) the rows' blocks are gathered.
+            in_place = supported and device.type == "cpu" and not self.tree_kernel
             self.cache = PagedKVCache(
-                layers, kv_heads, head_dim, dtype, device, max(blocks, 1), block_size, prefix_caching
+                layers, kv_heads, head_dim, dtype, device, max(blocks, 1), block_size, prefix_caching, in_place
             )
         else:
             self.cache = SlotKVCache(
@@ -91,10 +98,6 @@ class ModelRunner:
                 seq_limit=max_context,
                 token_budget=None if kv_budget_bytes is None else kv_budget_bytes // bytes_per_token,
             )
-        # The kernel applies neither sliding windows nor soft-capping either: supported models only.
-        supported = attention.supports(cfg)
-        self.tree_kernel = supported and (device.type == "cuda" if tree_kernel is None else tree_kernel)
-        self.packs = supported  # packed forwards need this module's attention function
         if supported:
             model.set_attn_implementation(attention.register())
 
@@ -127,13 +130,15 @@ class ModelRunner:
             meta = tree_meta if tree_meta is not None else tree_meta_from_mask(mask, write_pos)
             if meta is not None:
                 tree[attention.META_KWARG] = meta
+        # Reading blocks in place, each row attends to its own blocks, unmasked below its first new token.
+        reads = {"shared": write_pos[:, 0].tolist()} if getattr(self.cache, "in_place", False) else {}
         if packing is not None:
             at = (packing.rows, packing.cols)
             input_ids, positions, write_pos = input_ids[at][None], positions[at][None], write_pos[at][None]  # [1, N]
-            self.cache.begin_forward(rows, write_pos, kv_len, token_rows=packing.rows[None])
+            self.cache.begin_forward(rows, write_pos, kv_len, token_rows=packing.rows[None], **reads)
             tree[attention.PACK_KWARG] = packing
         else:
-            self.cache.begin_forward(rows, write_pos, kv_len)
+            self.cache.begin_forward(rows, write_pos, kv_len, **reads)
         attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
         attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
         out = self.decoder(
@@ -252,4 +257,4 @@ def _first(where: Any, rows: int) -> Any:
     """The first ``rows`` rows of a forward's rows (a slot slice or ``PagedRows``)."""
     if isinstance(where, slice):
         return slice(where.start, where.start + rows)
-    return PagedRows(where.table[:rows])
+    return where.first(rows)

@@ -6,12 +6,22 @@ flat *slot* of position p of a request being ``table[p // block_size] · block_s
 The extra last block is scratch: padding tokens of a padded forward write there, and the positions a
 row reads past its own blocks come from there (its mask hides them).
 
-A forward writes its new tokens' keys and values at their slots, then gathers the blocks holding each
-row's first ``kv_len`` positions, block by block, into a buffer reused across layers and steps, read as
-``[b, kv_heads, kv_len, head_dim]`` as the attention functions take it (``attention``): one copy of the
-rows' context per layer, where the dense cache's rows were views (``benchmarks/paged_step.py`` measures
-what that costs). The object duck-types the part of transformers' ``Cache`` the decoder layers call,
-like ``kv_cache.SlotKVCache``, so the stock HF model runs over it (``cache=``).
+A forward writes its new tokens' keys and values at their slots, then hands attention each row's
+context in one of two ways:
+
+- **In place** (on a CPU, with this package's attention function): ``update`` returns a
+  :class:`BlockContext` — the layer's pool and, per row, the runs of consecutive slots holding its
+  first positions (:func:`row_runs`) — and ``attention.paged_attention`` attends each row to its own
+  runs where they lie, merging the runs' partial softmaxes by their log-sum-exp. Nothing is copied,
+  and a row attends to its own length, not the longest row's.
+- **Gathered** (elsewhere: CUDA, where one launch over the batch beats a loop over rows, and models
+  with transformers' own attention): the blocks holding each row's first ``kv_len`` positions are
+  copied, block by block, into a buffer reused across layers and steps, read as
+  ``[b, kv_heads, kv_len, head_dim]``.
+
+``benchmarks/paged_step.py`` measures both against the dense slot cache. The object duck-types the
+part of transformers' ``Cache`` the decoder layers call, like ``kv_cache.SlotKVCache``, so the stock HF
+model runs over it (``cache=``).
 
 Every slot holds a finite value before it is first written: a masked key still enters its score
 (q · k, then the mask's large negative), and NaN there, from uninitialised memory, would make the
@@ -48,13 +58,110 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 @dataclass(frozen=True)
+class Run:
+    """A row's positions [start, stop), held at consecutive slots from ``slot``."""
+
+    slot: int
+    start: int
+    stop: int
+
+
+def row_runs(blocks: Sequence[int], length: int, block_size: int) -> tuple[Run, ...]:
+    """The runs of consecutive slots holding positions [0, ``length``) of a row whose table is ``blocks``.
+
+    >>> row_runs([4, 5, 9, 10, 2], 9, 2)   # blocks 4-5, 9-10, then 2 (one position of it)
+    (Run(slot=8, start=0, stop=4), Run(slot=18, start=4, stop=8), Run(slot=4, start=8, stop=9))
+    """
+    runs: list[Run] = []
+    first = 0  # index in blocks of the current run's first block
+    used = -(-length // block_size)
+    for j in range(1, used + 1):
+        if j == used or blocks[j] != blocks[j - 1] + 1:
+            runs.append(Run(blocks[first] * block_size, first * block_size, min(j * block_size, length)))
+            first = j
+    return tuple(runs)
+
+
+# Runs shorter than this many positions are copied rather than attended where they lie: attending one
+# more run costs about as much on a CPU as copying ~400 positions of every layer's keys and values
+# (SmolLM2-135M, 2 threads: ~25 µs a call against ~0.06 µs a position; ``benchmarks/paged_step.py``).
+MIN_RUN = 256
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """A row's short runs, copied: its positions ``positions`` (int64 [m], ascending) at slots
+    [slot, slot + m) of the forward's gather buffer."""
+
+    slot: int
+    positions: torch.Tensor
+    last: int  # the largest of positions
+
+
+@dataclass(frozen=True)
+class RowReads:
+    """Where a row's context lies: long runs in the pool, the rest copied (``gathered``); and how much
+    of it every query of the row sees: positions below ``shared`` (the row's first new token: the
+    cached prefix) are attended without the mask."""
+
+    runs: tuple[Run, ...]
+    shared: int
+    gathered: Gathered | None = None
+
+
+def plan_reads(
+    blocks: Sequence[int], length: int, shared: int, block_size: int, slot: int
+) -> tuple[RowReads, list[int]]:
+    """A row's reads of positions [0, ``length``) (table ``blocks``): runs of at least ``MIN_RUN``
+    positions in place, the others' blocks copied to the gather buffer from ``slot`` on; returns the
+    reads and the blocks to copy.
+
+    >>> reads, copy = plan_reads(list(range(20)) + [40, 30], 346, 340, 16, 0)
+    >>> reads.runs, copy, reads.gathered.positions[[0, -1]].tolist()
+    ((Run(slot=0, start=0, stop=320),), [40, 30], [320, 345])
+    """
+    keep, copy, positions = [], [], []
+    for run in row_runs(blocks, length, block_size):
+        if run.stop - run.start >= MIN_RUN:
+            keep.append(run)
+            continue
+        # Whole blocks are copied; only a row's last run may end inside its last block, so the copied
+        # positions sit at consecutive slots of the buffer, in this order.
+        first = run.start // block_size
+        positions.append(torch.arange(run.start, run.stop))
+        copy += blocks[first : first + -(-(run.stop - run.start) // block_size)]
+    if not copy:
+        return RowReads(tuple(keep), shared), []
+    at = torch.cat(positions)  # [m]
+    return RowReads(tuple(keep), shared, Gathered(slot, at, int(at[-1]))), copy
+
+
+@dataclass(frozen=True)
+class BlockContext:
+    """One layer's keys or values, left in its pool, with the rows' reads: what ``update`` returns in
+    place of a gathered tensor when attention reads blocks in place (``attention.paged_attention``).
+
+    pool: [kv_heads, slots, head_dim]; gathered: [kv_heads, copied slots, head_dim] (the rows' short runs)
+    """
+
+    pool: torch.Tensor
+    rows: tuple[RowReads, ...]
+    gathered: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class PagedRows:
-    """The rows of one forward: their block tables as a tensor, padded with the scratch block.
+    """The rows of one forward: their block tables, padded with the scratch block, as a tensor on the
+    device and as host lists (the in-place read plans its runs from those, with no device read).
 
     table: int64 [b, blocks]
     """
 
     table: torch.Tensor
+    blocks: tuple[tuple[int, ...], ...]
+
+    def first(self, rows: int) -> PagedRows:
+        return PagedRows(self.table[:rows], self.blocks[:rows])
 
     @property
     def batch(self) -> int:
@@ -72,7 +179,12 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int = 16,
         caching: bool = True,
+        in_place: bool = False,
     ) -> None:
+        """``in_place``: forwards that give their rows' extents (``begin_forward``) get
+        :class:`BlockContext` from ``update``, for an attention function that reads blocks where they
+        lie; other forwards, and every forward without it, get gathered tensors."""
+        self.in_place = in_place
         self.num_layers = num_layers
         self.shape_tail = (num_kv_heads, head_dim)
         self.dtype, self.device = dtype, device
@@ -86,6 +198,7 @@ class PagedKVCache:
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # flat, grown as needed
         self._write = self._read = torch.empty(0, dtype=torch.long, device=device)
         self._rows_len = (0, 0)  # (b, kv_len) of the current forward
+        self._reads: tuple[RowReads, ...] | None = None  # the current forward's, where it reads in place
 
     # --- capacity -----------------------------------------------------------------------
     @property
@@ -113,12 +226,12 @@ class PagedKVCache:
         """The forward rows of ``tables``, each padded with the scratch block to cover ``positions``.
 
         >>> c = PagedKVCache(1, 1, 2, torch.float32, torch.device("cpu"), num_blocks=4, block_size=2)
-        >>> c.rows([BlockTable(b"", blocks=[3, 1]), BlockTable(b"", blocks=[0])], 5).table.tolist()
-        [[3, 1, 4], [0, 4, 4]]
+        >>> c.rows([BlockTable(b"", blocks=[3, 1]), BlockTable(b"", blocks=[0])], 5).blocks
+        ((3, 1, 4), (0, 4, 4))
         """
         cols = max(-(-positions // self.block_size), 1)
-        padded = [t.blocks[:cols] + [self.scratch] * (cols - len(t.blocks[:cols])) for t in tables]
-        return PagedRows(torch.tensor(padded, dtype=torch.long, device=self.device))  # one host→device copy
+        padded = tuple(tuple(t.blocks[:cols] + [self.scratch] * (cols - len(t.blocks[:cols]))) for t in tables)
+        return PagedRows(torch.tensor(padded, dtype=torch.long, device=self.device), padded)  # one host→device copy
 
     @contextlib.contextmanager
     def measurement_rows(self, rows: int, positions: int) -> Iterator[PagedRows]:
@@ -140,11 +253,20 @@ class PagedKVCache:
         return table[row_index, positions // bs] * bs + positions % bs
 
     def begin_forward(
-        self, rows: PagedRows, write_pos: torch.Tensor, kv_len: int, token_rows: torch.Tensor | None = None
+        self,
+        rows: PagedRows,
+        write_pos: torch.Tensor,
+        kv_len: int,
+        token_rows: torch.Tensor | None = None,
+        shared: Sequence[int] | None = None,
     ) -> None:
         """Next forward runs over ``rows``; token j of row i goes to position ``write_pos[i, j]``
         (packed, ``token_rows`` [1, N]: token t of row ``token_rows[0, t]`` to ``write_pos[0, t]``);
-        attention sees each row's positions < ``kv_len``."""
+        attention sees each row's positions < ``kv_len``. ``shared``, per row: its first new token's
+        position, below which every query of the row sees every position. Given to a cache that reads
+        in place, the forward does: each row attends to its own blocks, up to ``kv_len`` (a real query
+        sees its own position and those before it, all in the row's blocks; what lies past them is
+        padding's, in the scratch block, and read by no real query)."""
         b = rows.batch
         # Every position a forward writes or reads is below kv_len (the mask spans them all), and a row's
         # padding reaches up to it even where the row's own tokens end sooner (a ragged prefill): the
@@ -156,32 +278,58 @@ class PagedKVCache:
             table = torch.cat([table, table.new_full((b, cols - table.shape[1]), self.scratch)], dim=1)
         row_index = token_rows if token_rows is not None else torch.arange(b, device=self.device)[:, None]
         self._write = self.slots(table, write_pos, row_index).reshape(-1)  # [tokens]
-        self._read = table.reshape(-1)  # [b · cols] whole blocks, gathered block by block
         self._rows_len = (b, kv_len)
+        if self.in_place and shared is not None:
+            bs, reads, copy = self.block_size, [], []
+            for blocks, first in zip(rows.blocks, shared, strict=True):
+                own = self._own(blocks)
+                row, more = plan_reads(own, min(kv_len, len(own) * bs), first, bs, len(copy) * bs)
+                reads.append(row)
+                copy += more
+            self._reads = tuple(reads)
+            self._read = torch.tensor(copy, dtype=torch.long, device=self.device)
+            self._ensure_buffers(len(copy))
+            return
+        self._reads = None
+        self._read = table.reshape(-1)  # [b · cols] whole blocks, gathered block by block
+        self._ensure_buffers(b * cols)
+
+    def _ensure_buffers(self, blocks: int) -> None:
+        """Gather buffers for ``blocks`` blocks' keys and values."""
         heads, dim = self.shape_tail
-        need = heads * b * cols * self.block_size * dim
+        need = heads * blocks * self.block_size * dim
         if self._buffers is None or self._buffers[0].numel() < need:
             self._buffers = tuple(torch.empty(need, dtype=self.dtype, device=self.device) for _ in range(2))
 
+    def _own(self, blocks: tuple[int, ...]) -> tuple[int, ...]:
+        """A padded table's own blocks: those before the scratch block."""
+        return blocks[: blocks.index(self.scratch)] if self.scratch in blocks else blocks
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[BlockContext, BlockContext]:
         """Write new keys/values ([b, kv_heads, n, dim]; packed [1, kv_heads, N, dim]) at their slots and
-        return the rows' [b, kv_heads, kv_len, dim] context, gathered."""
+        return the rows' context: in place, a :class:`BlockContext` each; else [b, kv_heads, kv_len, dim]
+        each, gathered."""
         heads, dim = self.shape_tail
+        layers = (self.keys[layer_idx], self.values[layer_idx])  # [kv_heads, slots, dim] each
+        for layer, new in zip(layers, (key_states, value_states), strict=True):
+            layer[:, self._write] = new.transpose(0, 1).reshape(heads, -1, dim).to(layer.dtype)
         b, kv_len = self._rows_len
         bs, blocks = self.block_size, self._read.numel()
         out = []
-        for pool, new, buf in zip((self.keys, self.values), (key_states, value_states), self._buffers, strict=True):
-            layer = pool[layer_idx]  # [kv_heads, slots, dim]
-            layer[:, self._write] = new.transpose(0, 1).reshape(heads, -1, dim).to(layer.dtype)
+        for layer, buf in zip(layers, self._buffers, strict=True):
             # Whole blocks, each one contiguous run of block_size × dim values (as fast as position by
             # position here: the copy is bound by memory, not by the number of indices).
             flat = buf[: heads * blocks * bs * dim].view(heads, blocks, bs * dim)
-            torch.index_select(layer.view(heads, -1, bs * dim), 1, self._read, out=flat)
-            rows = flat.view(heads, b, -1, dim)[:, :, :kv_len]  # [kv_heads, b, kv_len, dim]
-            out.append(rows.transpose(0, 1))  # [b, kv_heads, kv_len, dim]
-        return out[0], out[1]
+            if blocks:
+                torch.index_select(layer.view(heads, -1, bs * dim), 1, self._read, out=flat)
+            out.append(flat.view(heads, blocks * bs, dim))  # [kv_heads, blocks · bs, dim]
+        if self._reads is not None:
+            copied = [o if blocks else None for o in out]
+            return BlockContext(layers[0], self._reads, copied[0]), BlockContext(layers[1], self._reads, copied[1])
+        rows = [o.view(heads, b, -1, dim)[:, :, :kv_len].transpose(0, 1) for o in out]  # [b, kv_heads, kv_len, dim]
+        return rows[0], rows[1]
 
     def copy_positions(self, table: BlockTable, src: torch.Tensor, dst_start: int) -> None:
         """Move positions ``src`` (int64 [m], ascending) of ``table``'s request to ``dst_start..+m-1``:

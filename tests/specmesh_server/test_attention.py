@@ -1,4 +1,5 @@
-"""The folded grouped-query attention equals transformers' SDPA path (which repeats K/V)."""
+"""The folded grouped-query attention equals transformers' SDPA path (which repeats K/V); attention over a
+paged pool's runs of blocks, where they lie, equals it over the same rows gathered."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specmesh_server.attention import attention_forward, supports
+from specmesh_server import paged_kv
+from specmesh_server.attention import attention_forward, paged_attention, supports
+from specmesh_server.kv_blocks import BlockTable
+from specmesh_server.paged_kv import PagedKVCache
 
 
 class _Layer(torch.nn.Module):
@@ -57,3 +61,41 @@ def test_maskless_forwards_stay_causal_as_in_transformers():
     want, _ = sdpa_attention_forward(_Layer(3), query, key, value, None)
     got, _ = attention_forward(_Layer(3), query, key, value, None)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,n", [(9, 3, 1), (9, 3, 6), (4, 4, 3)])
+def test_attention_over_blocks_in_place_equals_the_rows_gathered(heads, kv_heads, n, dtype, monkeypatch):
+    """Rows of different lengths whose tables are one long run; long runs around a short one; and
+    short runs only (copied): after a forward writes each row's n new tokens, each row's parts merged
+    by log-sum-exp, under a tree mask over its new tokens, equal SDPA over its own positions gathered,
+    and no query sees a longer row's positions."""
+    monkeypatch.setattr(paged_kv, "MIN_RUN", 8)  # runs of 2+ blocks of 4 read in place, shorter copied
+    torch.manual_seed(1)
+    bs, dim = 4, 16
+    cache = PagedKVCache(1, kv_heads, dim, dtype, torch.device("cpu"), num_blocks=40, block_size=bs, in_place=True)
+    for pool in (cache.keys[0], cache.values[0]):
+        pool.copy_(torch.randn(pool.shape))
+    tables = [[3, 4, 5, 6, 7, 8], [20, 21, 22, 9, 30, 31, 32], [12, 2, 35, 17]]
+    prefixes = [13, 19, 9]  # cached positions per row; its n new tokens follow
+    kv_len = max(prefixes) + n
+    rows = cache.rows([BlockTable(b"", blocks=t) for t in tables], kv_len)
+    write_pos = torch.tensor(prefixes)[:, None] + torch.arange(n)[None]  # [b, n]
+    cache.begin_forward(rows, write_pos, kv_len, shared=prefixes)
+    keys, values = cache.update(*(torch.randn(len(tables), kv_heads, n, dim) for _ in range(2)), 0)
+    assert [(bool(r.runs), r.gathered is not None) for r in keys.rows] == [(True, False), (True, True), (False, True)]
+    mask = torch.full((len(tables), 1, n, kv_len), torch.finfo(dtype).min, dtype=dtype)
+    for i, p in enumerate(prefixes):
+        mask[i, :, :, : p + n] = _tree_mask(1, n, p).to(dtype)[0]
+    query = torch.randn(len(tables), heads, n, dim).to(dtype)
+    got = paged_attention(query, keys, values, mask, 0.25)
+    for i, (t, p) in enumerate(zip(tables, prefixes, strict=True)):
+        slots = torch.tensor([t[q // bs] * bs + q % bs for q in range(p + n)])
+        k, v = (
+            pool[:, slots].repeat_interleave(heads // kv_heads, 0)[None] for pool in (cache.keys[0], cache.values[0])
+        )
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query[i : i + 1].float(), k.float(), v.float(), attn_mask=mask[i : i + 1, :, :, : p + n].float(), scale=0.25
+        ).transpose(1, 2)  # [1, n, H, D]
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got[i : i + 1].float(), want, atol=tol, rtol=tol)

@@ -1,7 +1,7 @@
 """The paged cache gives the slot cache's hidden states: a prefill, a step verifying ragged trees (padded
-and packed, through SDPA and the tree-attention kernel) and a plain step reading what the tree step
-wrote, with block tables scattered over the pool and positions crossing blocks; and moving the
-accepted nodes' entries equals the slot cache's move."""
+and packed; attention reading the blocks in place, over them gathered, and the tree-attention kernel)
+and a plain step reading what the tree step wrote, with block tables scattered over the pool and
+positions crossing blocks; and moving the accepted nodes' entries equals the slot cache's move."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import support
 import torch
 
+from specmesh_server import paged_kv
 from specmesh_server.attention import Packing
 from specmesh_server.kv_blocks import BlockTable
 from specmesh_server.model_runner import ModelRunner
@@ -30,7 +31,7 @@ def tiny_llama():
 
 class Rows:
     """The rows of each forward: slots 0..b-1 of a slot cache, or block tables grown to the positions
-    the forward writes (scattered: the pool's queue is shuffled first)."""
+    the forward writes (scattered: the pool's free blocks are shuffled and none adjoins another)."""
 
     def __init__(self, runner: ModelRunner, b: int) -> None:
         self.runner, self.b = runner, b
@@ -38,8 +39,8 @@ class Rows:
         if self.paged:
             m = runner.cache.manager
             taken = m.pool.allocate(m.pool.free_blocks)
-            torch.manual_seed(0)
-            m.pool.release([taken[i] for i in torch.randperm(len(taken)).tolist()])
+            torch.manual_seed(0)  # the even blocks free, in random order; the odd ones held: no two free blocks adjoin
+            m.pool.release([taken[i] for i in torch.randperm(len(taken)).tolist() if taken[i] % 2 == 0])
 
     @property
     def paged(self) -> bool:
@@ -77,8 +78,16 @@ def _steps(runner: ModelRunner, packed: bool) -> tuple[Rows, list[torch.Tensor]]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "tree-kernel"])
-def test_the_paged_cache_gives_the_slot_caches_hidden_states(tiny_llama, kernel, packed):
+@pytest.mark.parametrize(
+    "kernel,in_place,min_run",
+    [(False, True, BS), (False, True, None), (False, False, None), (True, False, None)],
+    ids=["in-place", "short-runs-copied", "gathered", "tree-kernel"],
+)
+def test_the_paged_cache_gives_the_slot_caches_hidden_states(
+    tiny_llama, kernel, in_place, min_run, packed, monkeypatch
+):
+    if min_run is not None:  # every whole block a run read in place (by default runs this short are copied)
+        monkeypatch.setattr(paged_kv, "MIN_RUN", min_run)
     if kernel:
         support.require_cpu_kernels()
     cpu, f32 = torch.device("cpu"), torch.float32
@@ -86,6 +95,8 @@ def test_the_paged_cache_gives_the_slot_caches_hidden_states(tiny_llama, kernel,
     paged = ModelRunner(
         copy.deepcopy(tiny_llama), cpu, f32, 256, tree_kernel=kernel, kv_budget_bytes=2**20, block_size=BS
     )
+    assert paged.cache.in_place == (not kernel)  # on a CPU the default reads blocks in place
+    paged.cache.in_place = in_place
     (_, want), (rows, got) = _steps(slot, packed), _steps(paged, packed)
     assert any(t.blocks != sorted(t.blocks) for t in rows.tables)  # tables really are scattered
     for g, w in zip(got, want, strict=True):
