@@ -3,13 +3,15 @@
 One launch covers every request of a verification step. Queries are ragged: request ``b`` brings
 ``q_len[b]`` rows (its pending token and its tree nodes), flattened without padding and located by
 ``cu_seqlens`` (``[0, n_0, n_0 + n_1, …]``). Keys and values are read in place, any strides, from a
-layout ``[slots, kv_heads, seq, head_dim]`` (the rows the verifier's paged cache gathers for a forward,
-``specmesh_server.paged_kv``; or a slot cache's rows): request ``b`` lives in slot ``slots[b]``, its
-cached prefix is positions ``0 .. prefix_lens[b]-1`` and its new rows were written at
-``prefix_lens[b] + j``. Query ``i`` of request ``b`` sees the whole prefix and the new keys ``j`` whose
-bit is set in ``tree_bits[cu_seqlens[b] + i]`` (an int64 ancestor bitmask, so at most 64 new rows per
-request; see :func:`ancestor_bits`). Plain decode is the case ``q_len = 1``,
-bits ``1``; a causal chunk of ``n <= 64`` tokens has bits ``2**(i+1) - 1``.
+layout ``[slots, kv_heads, seq, head_dim]`` (a slot cache's rows, or rows gathered for a forward):
+request ``b`` lives in slot ``slots[b]``; or, paged (:func:`paged_tree_attention`, the verifier's
+``specmesh_server.paged_kv``), from one layer's pool ``[kv_heads, blocks · block_size, head_dim]``
+through a block table, request ``b``'s position ``p`` at offset ``p % block_size`` of block
+``table[b, p // block_size]``. Its cached prefix is positions ``0 .. prefix_lens[b]-1`` and its new
+rows were written at ``prefix_lens[b] + j``. Query ``i`` of request ``b`` sees the whole prefix and the
+new keys ``j`` whose bit is set in ``tree_bits[cu_seqlens[b] + i]`` (an int64 ancestor bitmask, so at
+most 64 new rows per request; see :func:`ancestor_bits`). Plain decode is the case ``q_len = 1``, bits
+``1``; a causal chunk of ``n <= 64`` tokens has bits ``2**(i+1) - 1``.
 
 Kernel (flash-decoding style): one program per (request, block of ``BLOCK_M`` query rows, kv head,
 key split). A block's rows are (node, query head of the kv head's GQA group) pairs, so each key/value
@@ -113,6 +115,7 @@ def _tree_attention_kernel(
     Prefix,
     RowPrefix,
     Bits,
+    Table,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -126,6 +129,7 @@ def _tree_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bb,
+    stride_tb,
     n_req,
     n_m_blocks,
     max_q,
@@ -141,6 +145,7 @@ def _tree_attention_kernel(
     HAS_ROW_PREFIX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // n_m_blocks
@@ -183,7 +188,12 @@ def _tree_attention_kernel(
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < k_hi
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + kpos[:, None] * stride_kt + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        if PAGE > 0:  # paged: position p at offset p % PAGE of block Table[b, p // PAGE]
+            blk = tl.load(Table + b * stride_tb + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+            kslot = blk * PAGE + kpos % PAGE  # [N]
+        else:
+            kslot = kpos
+        k = tl.load(k_base + kslot[:, None] * stride_kt + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         if DOT_F32:  # the interpreter multiplies bf16 as raw uint16: compute its dots in fp32
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -198,7 +208,7 @@ def _tree_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + kpos[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(v_base + kslot[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         if DOT_F32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -283,14 +293,19 @@ def launch_tree_attention(
     row_prefix: torch.Tensor | None = None,
     scale: float | None = None,
     num_splits: int | None = None,
+    block_table: torch.Tensor | None = None,
+    block_size: int = 0,
 ) -> torch.Tensor:
-    """Low-level launch on already-checked tensors; :func:`tree_attention` is the public entry.
+    """Low-level launch on already-checked tensors; :func:`tree_attention` and
+    :func:`paged_tree_attention` are the public entries.
 
     Two query/output layouts: ragged (``batch_strided=False``: q [total_q, n_heads, dim], out the
     same, row (b, i) at ``q_start[b] + i``, tree_bits [total_q]) and padded (``batch_strided=True``:
     q [b, n_heads, n, dim] as transformers passes it, out [b, n, n_heads, dim], q_start zeros,
     tree_bits [b, n]). ``row_prefix`` (same layout as tree_bits, int32) optionally narrows the keys
-    of the prefix a row sees to ``< row_prefix`` (padding rows of a batch).
+    of the prefix a row sees to ``< row_prefix`` (padding rows of a batch). ``block_table`` (int32
+    [b, blocks]): the caches are one paged pool each, [1, kv_heads, slots, dim], request b's position
+    p at slot ``block_table[b, p // block_size] · block_size + p % block_size`` (``slots`` all 0).
     """
     n_req = slots.shape[0]
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
@@ -331,6 +346,7 @@ def launch_tree_attention(
         prefix_lens,
         tree_bits if row_prefix is None else row_prefix,
         tree_bits,
+        slots if block_table is None else block_table,
         *sq,
         k_cache.stride(0),
         k_cache.stride(1),
@@ -340,6 +356,7 @@ def launch_tree_attention(
         v_cache.stride(2),
         *so,
         sbits,
+        0 if block_table is None else block_table.stride(0),
         n_req,
         m_blocks,
         max_q,
@@ -355,6 +372,7 @@ def launch_tree_attention(
         HAS_ROW_PREFIX=row_prefix is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.dtype == torch.bfloat16 and interpreted(kernel),
+        PAGE=0 if block_table is None else block_size,
     )
     if splits > 1:
         combine = runnable(_combine_kernel, q.device)
@@ -404,6 +422,89 @@ def tree_attention(
         raise ValueError(
             f"q must be [total, heads, dim] and caches [slots, kv_heads, seq, dim]: {q.shape} {k_cache.shape}"
         )
+    if slots.shape != prefix_lens.shape:
+        raise ValueError("cu_seqlens [b+1], slots [b], prefix_lens [b] and tree_bits [total_q] disagree")
+    return _checked_launch(
+        q, k_cache, v_cache, cu_seqlens, slots, prefix_lens, tree_bits, k_cache.shape[2], None, 0,
+        scale=scale, max_q=max_q, max_kv=max_kv, num_splits=num_splits,
+    )  # fmt: skip
+
+
+def paged_tree_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_bits: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    max_q: int | None = None,
+    max_kv: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """:func:`tree_attention` over a paged cache, read through the block table where the blocks lie.
+
+    k_pool, v_pool: [kv_heads, slots, head_dim], one layer's pool (``specmesh_server.paged_kv``);
+    block_table: int32 [b, blocks], request b's position p at slot
+    ``block_table[b, p // block_size] · block_size + p % block_size``, its table covering
+    prefix_lens[b] + q_len[b] positions; the rest as :func:`tree_attention`.
+    """
+    if q.dim() != 3 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"q must be [total, heads, dim] and pools [kv_heads, slots, dim]: {q.shape} {k_pool.shape}")
+    if block_table.dim() != 2 or block_table.shape[0] != prefix_lens.shape[0] or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 [b, blocks], one row per request: {tuple(block_table.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, not {block_size}")
+    zeros = torch.zeros_like(prefix_lens, dtype=torch.int32)  # one "slot": the pool
+    return _checked_launch(
+        q, k_pool[None], v_pool[None], cu_seqlens, zeros, prefix_lens, tree_bits,
+        block_table.shape[1] * block_size, block_table, block_size,
+        scale=scale, max_q=max_q, max_kv=max_kv, num_splits=num_splits,
+    )  # fmt: skip
+
+
+def paged_tree_attention_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_bits: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`paged_tree_attention`: each request's blocks gathered into a row of its
+    own, then :func:`tree_attention_reference`."""
+    pos = torch.arange(block_table.shape[1] * block_size, device=q.device)
+    slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size  # [b, seq]
+    k, v = (pool[:, slots].transpose(0, 1) for pool in (k_pool, v_pool))  # [b, kv_heads, seq, dim]
+    rows = torch.arange(block_table.shape[0], device=q.device)
+    return tree_attention_reference(q, k, v, cu_seqlens, rows, prefix_lens, tree_bits, scale)
+
+
+def _checked_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_bits: torch.Tensor,
+    capacity: int,
+    block_table: torch.Tensor | None,
+    block_size: int,
+    *,
+    scale: float | None,
+    max_q: int | None,
+    max_kv: int | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    """The checks both public entries share, then the launch (``capacity``: positions a request may reach)."""
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype:
         raise TypeError(f"q/k/v must share one of fp16, bf16, fp32: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if v_cache.dtype != q.dtype or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[1]:
@@ -415,7 +516,8 @@ def tree_attention(
         raise ValueError("cu_seqlens [b+1], slots [b], prefix_lens [b] and tree_bits [total_q] disagree")
     if tree_bits.dtype != torch.int64:
         raise TypeError(f"tree_bits must be int64, got {tree_bits.dtype}")
-    devices = {t.device for t in (q, k_cache, v_cache, cu_seqlens, slots, prefix_lens, tree_bits)}
+    tensors = (q, k_cache, v_cache, cu_seqlens, slots, prefix_lens, tree_bits)
+    devices = {t.device for t in tensors + (() if block_table is None else (block_table,))}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")
     q_len = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
@@ -425,8 +527,8 @@ def tree_attention(
         max_kv = int((prefix_lens + q_len).max()) if n_req else 0
     if max_q > MAX_TREE_ROWS:
         raise ValueError(f"{max_q} rows in one request: tree attention takes at most {MAX_TREE_ROWS}")
-    if max_kv > k_cache.shape[2]:
-        raise ValueError(f"prefix + rows reach {max_kv}, the cache holds {k_cache.shape[2]} positions")
+    if max_kv > capacity:
+        raise ValueError(f"prefix + rows reach {max_kv}, the cache holds {capacity} positions")
     out = torch.empty_like(q)
     if n_req == 0 or q.shape[0] == 0:
         return out
@@ -445,6 +547,8 @@ def tree_attention(
         batch_strided=False,
         scale=scale,
         num_splits=num_splits,
+        block_table=block_table,
+        block_size=block_size,
     )
 
 

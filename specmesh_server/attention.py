@@ -16,7 +16,8 @@ with one query token (transformers packs those itself) take transformers' own SD
 
 On CUDA the runner may also pass, per forward, the Triton tree-attention kernel's compact form of
 the mask (``specmesh_kernels.tree_attention.TreeMeta``, keyword ``specmesh_tree``): such forwards
-run the kernel on the cache's own key/value views instead. One attention function, registered with
+run the kernel on the cache's own key/value views instead, or, over the paged cache, through its
+block table (``paged_kv.TableContext``). One attention function, registered with
 transformers once, serves both paths.
 
 Over the paged cache on a CPU, ``update`` hands this function a ``paged_kv.BlockContext`` instead of
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from specmesh_server.paged_kv import BlockContext
+from specmesh_server.paged_kv import BlockContext, TableContext
 
 ATTN_NAME = "specmesh"
 META_KWARG = "specmesh_tree"  # the tree kernel's mask metadata, passed through the decoder's kwargs
@@ -176,6 +177,8 @@ def attention_forward(
         )  # [b, width, H, D]
         return packing.unpad(out), None
     meta = kwargs.pop(META_KWARG, None)
+    if isinstance(key, TableContext):  # the cache hands its pool and block table to the tree kernel
+        return _tree_kernel(query, key, value, meta, scaling), None
     if isinstance(key, BlockContext):
         return paged_attention(query, key, value, attention_mask, scaling), None
     if meta is not None and query.dtype in (torch.float16, torch.bfloat16, torch.float32) and key.stride(3) == 1:
@@ -195,15 +198,21 @@ def attention_forward(
     return out.reshape(b, heads, n, dim).transpose(1, 2).contiguous(), None
 
 
-def _tree_kernel(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: Any, scaling: float | None
-) -> torch.Tensor:
-    """The Triton tree-attention kernel over the cache's key/value views → [b, n, H, D]."""
+def _tree_kernel(query: torch.Tensor, key: Any, value: Any, meta: Any, scaling: float | None) -> torch.Tensor:
+    """The Triton tree-attention kernel over the cache's key/value views, or through a paged pool's
+    block table (``TableContext``) → [b, n, H, D]."""
     from specmesh_kernels import tree_attention
 
     b, heads, n, dim = query.shape
     dev = query.device
     out = torch.empty(b, n, heads, dim, dtype=query.dtype, device=dev)
+    paged: dict[str, Any] = {}
+    if isinstance(key, TableContext):  # one "slot", the pool [1, kv_heads, slots, D], read through the table
+        paged = {"block_table": key.table, "block_size": key.block_size}
+        slots, max_kv = torch.zeros(b, dtype=torch.int32, device=dev), key.kv_len
+        key, value = key.pool[None], value.pool[None]
+    else:
+        slots, max_kv = torch.arange(b, dtype=torch.int32, device=dev), key.shape[2]
     tree_attention.launch_tree_attention(
         query,
         key,
@@ -211,14 +220,15 @@ def _tree_kernel(
         out,
         torch.zeros(b, dtype=torch.int32, device=dev),
         torch.full((b,), n, dtype=torch.int32, device=dev),
-        torch.arange(b, dtype=torch.int32, device=dev),
+        slots,
         meta.start,
         meta.bits,
         max_q=n,
-        max_kv=key.shape[2],
+        max_kv=max_kv,
         batch_strided=True,
         row_prefix=meta.row_prefix,
         scale=scaling,
+        **paged,
     )
     return out
 

@@ -131,7 +131,11 @@ class ModelRunner:
             if meta is not None:
                 tree[attention.META_KWARG] = meta
         # Reading blocks in place, each row attends to its own blocks, unmasked below its first new token.
-        reads = {"shared": write_pos[:, 0].tolist()} if getattr(self.cache, "in_place", False) else {}
+        reads: dict[str, Any] = {}
+        if isinstance(self.cache, PagedKVCache) and attention.META_KWARG in tree:
+            reads["through_table"] = True  # the tree kernel reads the blocks through the table
+        elif getattr(self.cache, "in_place", False):
+            reads["shared"] = write_pos[:, 0].tolist()
         if packing is not None:
             at = (packing.rows, packing.cols)
             input_ids, positions, write_pos = input_ids[at][None], positions[at][None], write_pos[at][None]  # [1, N]

@@ -14,10 +14,13 @@ context in one of two ways:
   first positions (:func:`row_runs`) — and ``attention.paged_attention`` attends each row to its own
   runs where they lie, merging the runs' partial softmaxes by their log-sum-exp. Nothing is copied,
   and a row attends to its own length, not the longest row's.
-- **Gathered** (elsewhere: CUDA, where one launch over the batch beats a loop over rows, and models
-  with transformers' own attention): the blocks holding each row's first ``kv_len`` positions are
-  copied, block by block, into a buffer reused across layers and steps, read as
-  ``[b, kv_heads, kv_len, head_dim]``.
+- **Through the table** (the Triton tree-attention kernel's forwards, on CUDA): ``update`` returns a
+  :class:`TableContext`, the pool and the forward's block table, and the kernel reads each position
+  at its slot.
+- **Gathered** (the other forwards elsewhere: CUDA's prefill chunks, where one launch over the batch
+  beats a loop over rows, and models with transformers' own attention): the blocks holding each row's
+  first ``kv_len`` positions are copied, block by block, into a buffer reused across layers and
+  steps, read as ``[b, kv_heads, kv_len, head_dim]``.
 
 ``benchmarks/paged_step.py`` measures both against the dense slot cache. The object duck-types the
 part of transformers' ``Cache`` the decoder layers call, like ``kv_cache.SlotKVCache``, so the stock HF
@@ -150,6 +153,21 @@ class BlockContext:
 
 
 @dataclass(frozen=True)
+class TableContext:
+    """One layer's keys or values in its pool with the forward's block table: what ``update`` returns
+    for a forward through the tree-attention kernel, which reads the blocks through the table
+    (``specmesh_kernels.tree_attention.paged_tree_attention``).
+
+    pool: [kv_heads, slots, head_dim]; table: int32 [b, blocks], covering ``kv_len`` positions
+    """
+
+    pool: torch.Tensor
+    table: torch.Tensor
+    block_size: int
+    kv_len: int
+
+
+@dataclass(frozen=True)
 class PagedRows:
     """The rows of one forward: their block tables, padded with the scratch block, as a tensor on the
     device and as host lists (the in-place read plans its runs from those, with no device read).
@@ -199,6 +217,7 @@ class PagedKVCache:
         self._write = self._read = torch.empty(0, dtype=torch.long, device=device)
         self._rows_len = (0, 0)  # (b, kv_len) of the current forward
         self._reads: tuple[RowReads, ...] | None = None  # the current forward's, where it reads in place
+        self._table: torch.Tensor | None = None  # the current forward's, where the tree kernel reads through it
 
     # --- capacity -----------------------------------------------------------------------
     @property
@@ -259,6 +278,7 @@ class PagedKVCache:
         kv_len: int,
         token_rows: torch.Tensor | None = None,
         shared: Sequence[int] | None = None,
+        through_table: bool = False,
     ) -> None:
         """Next forward runs over ``rows``; token j of row i goes to position ``write_pos[i, j]``
         (packed, ``token_rows`` [1, N]: token t of row ``token_rows[0, t]`` to ``write_pos[0, t]``);
@@ -266,7 +286,8 @@ class PagedKVCache:
         position, below which every query of the row sees every position. Given to a cache that reads
         in place, the forward does: each row attends to its own blocks, up to ``kv_len`` (a real query
         sees its own position and those before it, all in the row's blocks; what lies past them is
-        padding's, in the scratch block, and read by no real query)."""
+        padding's, in the scratch block, and read by no real query). ``through_table``: the forward's
+        attention is the tree kernel, which reads the blocks through the table (:class:`TableContext`)."""
         b = rows.batch
         # Every position a forward writes or reads is below kv_len (the mask spans them all), and a row's
         # padding reaches up to it even where the row's own tokens end sooner (a ragged prefill): the
@@ -279,6 +300,10 @@ class PagedKVCache:
         row_index = token_rows if token_rows is not None else torch.arange(b, device=self.device)[:, None]
         self._write = self.slots(table, write_pos, row_index).reshape(-1)  # [tokens]
         self._rows_len = (b, kv_len)
+        self._table = table.to(torch.int32).contiguous() if through_table else None
+        if through_table:
+            self._reads = None
+            return
         if self.in_place and shared is not None:
             bs, reads, copy = self.block_size, [], []
             for blocks, first in zip(rows.blocks, shared, strict=True):
@@ -307,14 +332,19 @@ class PagedKVCache:
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[BlockContext, BlockContext]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[BlockContext, BlockContext] | tuple[TableContext, TableContext]:
         """Write new keys/values ([b, kv_heads, n, dim]; packed [1, kv_heads, N, dim]) at their slots and
-        return the rows' context: in place, a :class:`BlockContext` each; else [b, kv_heads, kv_len, dim]
-        each, gathered."""
+        return the rows' context: in place, a :class:`BlockContext` each; through the table, a
+        :class:`TableContext` each; else [b, kv_heads, kv_len, dim] each, gathered."""
         heads, dim = self.shape_tail
         layers = (self.keys[layer_idx], self.values[layer_idx])  # [kv_heads, slots, dim] each
         for layer, new in zip(layers, (key_states, value_states), strict=True):
             layer[:, self._write] = new.transpose(0, 1).reshape(heads, -1, dim).to(layer.dtype)
+        if self._table is not None:
+            kv_len = self._rows_len[1]
+            return TableContext(layers[0], self._table, self.block_size, kv_len), TableContext(
+                layers[1], self._table, self.block_size, kv_len
+            )
         b, kv_len = self._rows_len
         bs, blocks = self.block_size, self._read.numel()
         out = []

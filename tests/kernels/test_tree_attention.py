@@ -1,6 +1,7 @@
 """Tree attention: the torch reference equals dense-mask SDPA over the verifier's own layout, and the
 Triton kernel (Triton's interpreter on CPU, compiled on CUDA) equals the reference across batch sizes,
-tree shapes, prefix lengths, GQA ratios, dtypes and key splits, reading the slot cache in place."""
+tree shapes, prefix lengths, GQA ratios, dtypes and key splits, reading the slot cache in place, and
+reading a paged pool through block tables (blocks shuffled, unused slots NaN) as it reads the rows."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specmesh_kernels.tree_attention import MAX_TREE_ROWS, ancestor_bits, tree_attention, tree_attention_reference
+from specmesh_kernels.tree_attention import (
+    MAX_TREE_ROWS,
+    ancestor_bits,
+    paged_tree_attention,
+    paged_tree_attention_reference,
+    tree_attention,
+    tree_attention_reference,
+)
 from specmesh_server.tree import verification_layout
 
 CUDA = torch.cuda.is_available()
@@ -116,6 +124,47 @@ def test_kernel_differs_from_reference_when_a_tree_bit_is_flipped():
     torch.testing.assert_close(got[:-1], want[:-1], atol=2e-5, rtol=2e-5)
 
 
+def to_paged(args: tuple, block_size: int, seed: int) -> tuple:
+    """The batch's slot-cache rows copied into one pool per K and V, at shuffled blocks; unused slots NaN.
+    → (q, k_pool, v_pool, cu, block_table, prefix_lens, tree_bits)."""
+    q, k_cache, v_cache, cu, slots, prefix, bits = args
+    n_req, kv_heads, seq, dim = slots.shape[0], *k_cache.shape[1:]
+    cols = -(-seq // block_size)
+    blocks = n_req * cols + 3
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))[: n_req * cols].view(n_req, cols)
+    pools = [torch.full((kv_heads, blocks * block_size, dim), float("nan"), dtype=k_cache.dtype) for _ in range(2)]
+    pos = torch.arange(seq)
+    for b in range(n_req):
+        at = table[b, pos // block_size] * block_size + pos % block_size
+        for pool, cache in zip(pools, (k_cache, v_cache), strict=True):
+            pool[:, at] = cache[int(slots[b])].to(pool.device)
+    dev = q.device
+    return q, pools[0].to(dev), pools[1].to(dev), cu, table.to(torch.int32).to(dev), prefix, bits
+
+
+PAGED_CASES = {
+    # name: (CASES entry, block size)
+    "decode-1-request-prefix-1": ("decode-1-request-prefix-1", 16),
+    "trees-gqa3-fp16-3-splits-block-5": ("trees-gqa3-fp16-3-splits", 5),
+    "64-rows-all-bits-gqa8-bf16": ("64-rows-all-bits-gqa8-bf16", 16),
+    "prefix-4096-split-k-block-64": ("prefix-4096-split-k", 64),
+}
+
+
+@pytest.mark.parametrize("name", list(PAGED_CASES))
+@pytest.mark.usefixtures("cpu_kernels")
+def test_the_kernel_through_block_tables_matches_it_over_rows(name):
+    case, bs = PAGED_CASES[name]
+    n_req, nodes, prefix, heads, kv_heads, dim, dtype, splits, exact = CASES[case]
+    args, _ = make_batch(7, n_req, nodes, prefix, heads, kv_heads, dim, dtype, exact=exact)
+    paged = to_paged(args, bs, seed=3)
+    want = tree_attention_reference(*args)
+    torch.testing.assert_close(paged_tree_attention_reference(*paged, block_size=bs), want, atol=0, rtol=0)
+    got = paged_tree_attention(*paged, block_size=bs, num_splits=splits)
+    assert got.dtype == dtype and torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_launcher_rejects_bad_shapes_and_dtypes():
     args, _ = make_batch(2, 2, 3, 10, 4, 2, 16, torch.float32)
     q, k, v, cu, slots, prefix, bits = args
@@ -131,6 +180,11 @@ def test_launcher_rejects_bad_shapes_and_dtypes():
         tree_attention(q, k, v, cu, slots, prefix + k.shape[2], bits)
     with pytest.raises(ValueError, match="at most 64"):
         tree_attention(q, k, v, torch.tensor([0, 65], dtype=torch.int32), slots[:1], prefix[:1], bits, max_kv=1)
+    q, kp, vp, cu, table, prefix, bits = to_paged(args, 4, seed=0)
+    with pytest.raises(ValueError, match="int32"):
+        paged_tree_attention(q, kp, vp, cu, table.long(), prefix, bits, block_size=4)
+    with pytest.raises(ValueError, match="cache holds"):
+        paged_tree_attention(q, kp, vp, cu, table[:, :1], prefix, bits, block_size=4)
 
 
 def orthogonal_array(levels: tuple[tuple, ...]) -> list[tuple]:

@@ -97,7 +97,15 @@ def test_the_paged_cache_gives_the_slot_caches_hidden_states(
     )
     assert paged.cache.in_place == (not kernel)  # on a CPU the default reads blocks in place
     paged.cache.in_place = in_place
-    (_, want), (rows, got) = _steps(slot, packed), _steps(paged, packed)
+    (_, want) = _steps(slot, packed)
+    contexts = []  # what the paged cache hands attention, per layer and forward
+    update = paged.cache.update
+    monkeypatch.setattr(
+        paged.cache, "update", lambda *a, **k: contexts.append(type((out := update(*a, **k))[0])) or out
+    )
+    rows, got = _steps(paged, packed)
+    expected = {paged_kv.BlockContext} if in_place else {torch.Tensor}
+    assert set(contexts) == ({paged_kv.TableContext} if kernel else expected)  # the kernel reads through the table
     assert any(t.blocks != sorted(t.blocks) for t in rows.tables)  # tables really are scattered
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
