@@ -9,14 +9,15 @@ Writes ``gpu-report.md`` and ``gpu-report.json`` to ``$OUT`` when set (the devic
 failed (skipped and partial sections do not fail the run). Sections (``--sections`` picks some):
 
 - environment: GPU, driver, CUDA, torch, triton, transformers, the measured copy bandwidth;
-- tree_attention: the Triton kernel within dtype tolerance of its torch reference;
+- tree_attention: the Triton kernel within dtype tolerance of its torch reference, over slot rows and
+  through block tables (the verifier's paged pool);
 - acceptance: the batched acceptance kernel identical to the host walk; sampled convergence;
 - end_to_end: the verifier process on the device, kernels on and off, greedy equality with ``generate()``;
 - decode_step: device→host copies per decode step (batch 8, 16-node trees) and the step's profile;
 - draft: the draft proposer's device→host copies per proposal;
 - cost_curves: verification cost per tree size, the oracle ceiling, plain decoding vs ``generate()``;
-- attention_numbers: tree attention vs SDPA (and, last, compiled FlexAttention), as a share of the copy
-  bandwidth;
+- attention_numbers: tree attention over rows and through block tables vs SDPA (and, last, compiled
+  FlexAttention), as a share of the copy bandwidth;
 - gpu_tests: the test suite's kernel tests that run on a GPU host (pytest, from the bundle).
 
 Runs without installing SpecMesh: the checkout's packages are put on the path (``kernels/`` and

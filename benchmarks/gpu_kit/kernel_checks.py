@@ -1,7 +1,8 @@
 """The kernels against their references, without the interpreter on a GPU (with it in the CPU dry run).
 
 - tree attention within dtype tolerance of ``tree_attention_reference`` (1–64 requests, 1–63 nodes,
-  contexts to 32k, GQA groups 1/3/8, fp32/bf16/fp16);
+  contexts to 32k, GQA groups 1/3/8, fp32/bf16/fp16), over slot rows and through block tables (the
+  same rows copied into a paged pool at shuffled blocks);
 - batched acceptance identical to the host walk (``verifier_svc.acceptance``), greedy and sampled,
   draw for draw;
 - sampled acceptance converging to the target: the first emitted token's total-variation distance
@@ -56,14 +57,33 @@ def make_batch(seed: int, n_req: int, max_nodes: int, context: int, kv_heads: in
     return q, k_cache, v_cache, cu, slots.to(torch.int32), prefix, bits
 
 
+def to_paged(args: tuple, block_size: int = 16, seed: int = 0) -> tuple:
+    """``make_batch``'s slot rows copied into one pool each for K and V at shuffled blocks (the verifier's
+    paged layout, ``specmesh_server.paged_kv``) → ``paged_tree_attention``'s positional arguments."""
+    q, k_cache, v_cache, cu, slots, prefix, bits = args
+    n_req, kv_heads, seq, dim = slots.shape[0], *k_cache.shape[1:]
+    cols, dev = -(-seq // block_size), q.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    table = torch.randperm(n_req * cols, generator=gen, device=dev).view(n_req, cols)  # [b, blocks]
+    pos = torch.arange(cols * block_size, device=dev)
+    at = (table[:, pos // block_size] * block_size + pos % block_size).reshape(-1)  # [b · cols · bs] pool slots
+    pools = []
+    for cache in (k_cache, v_cache):
+        rows = torch.nn.functional.pad(cache[slots.long()], (0, 0, 0, cols * block_size - seq))  # [b, kv, S, D]
+        pool = torch.empty(kv_heads, n_req * cols * block_size, dim, dtype=cache.dtype, device=dev)
+        pool[:, at] = rows.transpose(0, 1).reshape(kv_heads, -1, dim)
+        pools.append(pool)
+    return q, pools[0], pools[1], cu, table.to(torch.int32), prefix, bits
+
+
 def tree_attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
-    from specmesh_kernels.tree_attention import tree_attention, tree_attention_reference
+    from specmesh_kernels.tree_attention import paged_tree_attention, tree_attention, tree_attention_reference
 
     shapes = QUICK_ATTENTION_SHAPES if ctx.quick else ATTENTION_SHAPES
     dtypes = [torch.float32, torch.bfloat16] if ctx.quick else [torch.float32, torch.bfloat16, torch.float16]
     t = sec.table(
         "tree attention vs reference (max |error|)",
-        ["requests", "nodes", "context", "kv×group", "dim", "dtype", "max err", "tol"],
+        ["requests", "nodes", "context", "kv×group", "dim", "dtype", "max err", "paged max err", "tol"],
     )
     items = [(s, d) for s in shapes for d in dtypes]
     for done, ((n_req, nodes, context, kv, group, dim), dtype) in enumerate(items):
@@ -73,14 +93,19 @@ def tree_attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) 
         args = make_batch(done, n_req, nodes, context, kv, group, dim, dtype, ctx.device)
         got = tree_attention(*args)
         want = tree_attention_reference(*args)
-        err = float((got.float() - want.float()).abs().max())
-        bad = not torch.isfinite(got).all() or not torch.allclose(
-            got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype]
+        paged = paged_tree_attention(*to_paged(args, seed=done), block_size=16)
+        errs, bad = [], False
+        for out in (got, paged):
+            errs.append(float((out.float() - want.float()).abs().max()))
+            bad |= not torch.isfinite(out).all() or not torch.allclose(
+                out.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype]
+            )
+        t.rows.append(
+            [n_req, nodes, context, f"{kv}×{group}", dim, str(dtype).removeprefix("torch."), *errs, TOL[dtype]]
         )
-        t.rows.append([n_req, nodes, context, f"{kv}×{group}", dim, str(dtype).removeprefix("torch."), err, TOL[dtype]])
         if bad:
             sec.fail(f"tree attention off the reference at {t.rows[-1]}")
-        del args, got, want
+        del args, got, want, paged
     sec.summary = f"{len(t.rows)} shape×dtype cases" + ("" if sec.status != "fail" else ", some off the reference")
 
 

@@ -75,8 +75,9 @@ def flex_fn(ref: tuple, context: int) -> Callable[[], Any] | None:
 
 def attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
     import torch.nn.functional as F
+    from gpu_kit.kernel_checks import to_paged
 
-    from specmesh_kernels.tree_attention import tree_attention
+    from specmesh_kernels.tree_attention import paged_tree_attention, tree_attention
 
     bench = attention_bench()
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
@@ -90,7 +91,9 @@ def attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> No
     elem = torch.finfo(dtype).bits // 8
     t = sec.table(
         f"tree attention, {heads[0]} q / {heads[1]} kv heads, dim {heads[2]}, {str(dtype).removeprefix('torch.')}",
-        ["batch", "nodes", "context", "kernel ms", "sdpa ms", "flex ms", "vs sdpa", "GB/s", "% of copy"],
+        "batch nodes context|kernel ms|paged ms|sdpa ms|flex ms|vs sdpa|paged / rows|GB/s|% of copy".replace(
+            " ", "|"
+        ).split("|"),
     )
     items = [(c, b, n) for c in contexts for b in batches for n in trees]
     for done, (context, batch, nodes) in enumerate(items):
@@ -100,6 +103,11 @@ def attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> No
         args, ref = bench.build(batch, nodes, context, dtype, ctx.device, heads)
         rows, max_kv = nodes + 1, context + nodes + 1
         kern = timed_ms(ctx, lambda a=args, r=rows, m=max_kv: tree_attention(*a, max_q=r, max_kv=m))
+        paged_args = to_paged(args)  # the same rows in a pool of shuffled 16-position blocks
+        paged = timed_ms(
+            ctx, lambda a=paged_args, r=rows, m=max_kv: paged_tree_attention(*a, block_size=16, max_q=r, max_kv=m)
+        )
+        del paged_args
         try:  # a dense mask with GQA may take the math path: [b, H, n, kv] fp32 scores
             sdpa = timed_ms(
                 ctx, lambda r=ref: F.scaled_dot_product_attention(r[0], r[1], r[2], attn_mask=r[3], enable_gqa=True)
@@ -109,7 +117,9 @@ def attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> No
             sec.notes.append(f"sdpa at batch {batch}, {nodes} nodes, {context}: {type(exc).__name__}: {str(exc)[:150]}")
         moved = batch * (2 * heads[1] * max_kv + 2 * heads[0] * rows) * heads[2] * elem
         bw = moved / (kern * 1e-3)
-        t.rows.append([batch, nodes, context, kern, sdpa, None, sdpa / kern, bw / 1e9, 100 * bw / copy_bw])
+        t.rows.append(
+            [batch, nodes, context, kern, paged, sdpa, None, sdpa / kern, paged / kern, bw / 1e9, 100 * bw / copy_bw]
+        )
         del args, ref
         if ctx.cuda:
             torch.cuda.empty_cache()
@@ -121,7 +131,7 @@ def attention_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> No
             continue
         try:
             fn = flex_fn(bench.build(batch, nodes, context, dtype, ctx.device, heads)[1], context)
-            row[5] = timed_ms(ctx, fn) if fn else None
+            row[6] = timed_ms(ctx, fn) if fn else None
         except Exception as exc:  # FlexAttention is optional: say why it has no number
             sec.notes.append(f"flex attention at batch 8, 16 nodes, {context}: {type(exc).__name__}: {exc}"[:300])
             break
