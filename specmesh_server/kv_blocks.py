@@ -128,35 +128,38 @@ class BlockPool:
             self.refs[b] += 1
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:
-        """``n`` blocks with one reference each, least recently used first; an evictable block's hash
-        is dropped. NoFreeBlocks (nothing taken) when fewer than ``n`` are free.
+        """``n`` blocks with one reference each. NoFreeBlocks (nothing taken) when fewer than ``n`` are free.
 
-        Each block is the one after the last (after ``after`` for the first) where that one is free
-        and caches nothing: a table's blocks then lie in runs that attention reads where they lie
-        (``paged_kv``), and no cached block leaves the queue out of its turn.
+        Blocks go to a table in runs of consecutive ids where they can, so that attention reads them
+        where they lie (``paged_kv``): first the blocks right after ``after`` (a table's last) while
+        they are free and cache nothing (taking those evicts nothing out of its turn); the rest are the
+        least recently used blocks, in ascending order (an evictable block's hash is dropped: an
+        eviction). The order of a batch taken from the queue's head does not change which blocks are
+        evicted, and a request's blocks, released last one first, come back as one run.
 
         >>> pool = BlockPool(8, block_size=2)
         >>> pool.release(pool.allocate(8)[::-1])     # the queue is now 7, 6, …, 0
         >>> pool.allocate(3), pool.allocate(2, after=0)
-        ([7, 6, 5], [1, 2])
+        ([5, 6, 7], [1, 2])
         """
         if n > len(self.queue):
             raise NoFreeBlocks(f"{n} KV blocks asked, {len(self.queue)} free of {self.num_blocks}")
         out = []
-        for _ in range(n):
-            b = -1 if after is None else after + 1
-            if 0 <= b < self.num_blocks and self.refs[b] == 0 and self.hash_of[b] is None:
-                del self.queue[b]
-            else:
-                b, _ = self.queue.popitem(last=False)
+        b = -1 if after is None else after + 1
+        while len(out) < n and 0 <= b < self.num_blocks and self.refs[b] == 0 and self.hash_of[b] is None:
+            del self.queue[b]
+            out.append(b)
+            b += 1
+        oldest = [self.queue.popitem(last=False)[0] for _ in range(n - len(out))]
+        for b in oldest:
             h = self.hash_of[b]
             if h is not None:
                 del self.cached[h]
                 self.hash_of[b] = None
                 self.counters.evictions += 1
+        out += sorted(oldest)
+        for b in out:
             self.refs[b] = 1
-            out.append(b)
-            after = b
         return out
 
     def register(self, block: int, h: BlockHash) -> None:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from specmesh_server.kv_blocks import BlockManager, BlockPool, NoFreeBlocks, block_hashes, namespace
+from specmesh_server.kv_blocks import BlockManager, BlockPool, BlockTable, NoFreeBlocks, block_hashes, namespace
 
 BS = 4
 
@@ -95,11 +95,30 @@ def test_eviction_takes_the_least_recently_released_blocks_and_never_one_in_use(
     m.close(old)  # 2 evictable
     fresh = m.pool.allocate(2)  # 2 never-used blocks come first in the queue
     assert not set(fresh) & set(running.blocks + old_blocks)
-    taken = m.pool.allocate(2)  # now the evictable ones, tail block first
-    assert taken == old_blocks[::-1] and m.pool.counters.evictions == 2
+    assert m.pool.allocate(1) == old_blocks[-1:]  # now the evictable ones, the tail block first
+    assert m.pool.allocate(1) == old_blocks[:1] and m.pool.counters.evictions == 2
     with pytest.raises(NoFreeBlocks):
         m.pool.allocate(1)  # the running request's blocks are not in the queue
     assert m.open(ns, [*range(8), 1]).cached_tokens == 8  # and still cached
+    m.pool.check()
+
+
+def test_a_table_gets_its_blocks_in_runs_and_a_released_run_comes_back_as_one():
+    """Blocks go to tables as runs of consecutive ids (attention reads a run where it lies): growth
+    continues after a table's last block where that one is free and caches nothing, and a batch taken
+    from the queue comes in ascending order, though a table's blocks are released last one first."""
+    m, ns = manager(blocks=12), namespace("m")
+    a, b = BlockTable(ns), BlockTable(ns)
+    m.grow(a, 3 * BS)  # blocks 0-2
+    m.grow(b, 2 * BS)  # 3-4
+    m.grow(a, 4 * BS)  # 3 is taken: a jumps to the oldest free block, 5
+    m.grow(a, 5 * BS)  # and goes on from there: 6
+    assert (a.blocks, b.blocks) == ([0, 1, 2, 5, 6], [3, 4])
+    m.close(a)  # queue: 7..11, then a's blocks tail first: 6, 5, 2, 1, 0
+    m.pool.allocate(5)  # 7..11
+    c = BlockTable(ns)
+    m.grow(c, 5 * BS)
+    assert c.blocks == [0, 1, 2, 5, 6]  # one batch, ascending: two runs again, not five
     m.pool.check()
 
 
