@@ -7,7 +7,7 @@ The extra last block is scratch: padding tokens of a padded forward write there,
 row reads past its own blocks come from there (its mask hides them).
 
 A forward writes its new tokens' keys and values at their slots, then hands attention each row's
-context in one of two ways:
+context in one of three ways:
 
 - **In place** (on a CPU, with this package's attention function): ``update`` returns a
   :class:`BlockContext` — the layer's pool and, per row, the runs of consecutive slots holding its
@@ -22,7 +22,7 @@ context in one of two ways:
   first ``kv_len`` positions are copied, block by block, into a buffer reused across layers and
   steps, read as ``[b, kv_heads, kv_len, head_dim]``.
 
-``benchmarks/paged_step.py`` measures both against the dense slot cache. The object duck-types the
+``benchmarks/paged_step.py`` measures the CPU's two against the dense slot cache. The object duck-types the
 part of transformers' ``Cache`` the decoder layers call, like ``kv_cache.SlotKVCache``, so the stock HF
 model runs over it (``cache=``).
 

@@ -7,7 +7,9 @@ Requests join and leave the running batch between steps. One iteration of the lo
      while the free blocks hold them;
   3. prefill: one forward over the next chunk of the oldest joining request, or over several
      short joining prompts together (``prefill_chunk_tokens``' worth of work: chunks shorten
-     deeper into a long prompt, so the running requests' next token is never far away);
+     deeper into a long prompt, so the running requests' next token is never far away); short
+     prompts that arrive behind a long one join its forwards whole, within half that work, and
+     its chunk shortens by theirs;
   4. decode: one batched forward over every running request's pending token (and trees);
   5. stream the new tokens of each request, retire finished requests and release their blocks
      (full ones stay cached for later requests with the same prefix).
@@ -103,6 +105,8 @@ class Engine:
         self.cache: PagedKVCache = runner.cache
         self.blocks: BlockManager = runner.cache.manager
         self._evictions_seen = 0  # the pool's evictions already counted in the metrics
+        # The next prefill's requests already mid-prefill (keys), and the prompt tokens that joined them whole.
+        self._mid_prefill: tuple[set[int], int] = (set(), 0)
         self._thread = ThreadLoop(self._loop, "specmesh-engine", thread)
 
     @property
@@ -293,15 +297,20 @@ class Engine:
             seq.blocks = None
 
     def _admit(self) -> list[Sequence]:
-        """The requests whose prompts the next prefill forward feeds: those mid-prefill, else waiting
+        """The requests whose prompts the next prefill forward feeds: those mid-prefill, and waiting
         requests joining (first come, first served) while slots, the chunk and the free blocks hold
-        them. A joining request starts from its longest cached prompt prefix (``kv_blocks``)."""
+        them. A joining request starts from its longest cached prompt prefix (``kv_blocks``).
+
+        Beside a prompt mid-prefill, waiting prompts join only whole, within half the forward's work
+        budget, and the long prompt's chunk gives up what they take (``_prefill``): a short request
+        that arrives behind a long prompt gets its first token one forward later, not after all of
+        the long prompt's chunks (vLLM's ``long_prefill_token_threshold`` serves the same end)."""
         joining = [s for s in self._running if not s.prefilled]
-        if joining:
-            return joining
         cfg, tokens, pool = self.config, 0, self.blocks.pool
+        budget = cfg.prefill_chunk_tokens // 2 if joining else cfg.prefill_chunk_tokens
+        mid = {s.key for s in joining}
         margin = self.blocks.blocks_for(cfg.kv_margin)
-        while self._waiting and len(self._running) < cfg.max_running and tokens < cfg.prefill_chunk_tokens:
+        while self._waiting and len(self._running) < cfg.max_running and tokens < budget:
             seq = self._waiting[0]
             cached, seed = self._cache_tokens(seq), self._seed(seq)
             hit = self.blocks.peek(seed, cached)
@@ -311,7 +320,7 @@ class Engine:
             if not admission.admits(free, [self._need_blocks(s) for s in self._running], need, margin):
                 break
             uncached = seq.cache_target - len(hit) * self.blocks.block_size
-            if joining and tokens + uncached > cfg.prefill_chunk_tokens:
+            if joining and tokens + uncached > budget:
                 break  # would overflow this forward's budget: it joins with the next one
             self._waiting.popleft()
             seq.blocks = self.blocks.open(seed, cached)
@@ -328,14 +337,16 @@ class Engine:
             self._running.append(seq)
             joining.append(seq)
             tokens += uncached
+        self._mid_prefill = (mid, tokens if mid else 0)
         return joining
 
     def _prefill(self, joining: list[Sequence]) -> None:
-        """One forward over the next prompt chunk of each joining request."""
-        chunks = [
-            s.uncached(admission.chunk_tokens(self.config.prefill_chunk_tokens, s.length, self.runner.keys_per_token))
-            for s in joining
-        ]
+        """One forward over the next prompt chunk of each joining request (a prompt mid-prefill gives
+        up the work of the prompts that joined it whole, ``_admit``)."""
+        cfg, kpt = self.config, self.runner.keys_per_token
+        mid, beside = self._mid_prefill
+        budgets = [cfg.prefill_chunk_tokens - (beside if s.key in mid else 0) for s in joining]
+        chunks = [s.uncached(admission.chunk_tokens(b, s.length, kpt)) for s, b in zip(joining, budgets, strict=True)]
         ends = [s.length + len(c) for s, c in zip(joining, chunks, strict=True)]
         for seq, end in zip(joining, ends, strict=True):
             self.blocks.grow(seq.blocks, end)

@@ -286,6 +286,32 @@ def test_a_long_prefill_interleaves_chunks_with_the_running_requests_decode_step
     assert "pp" not in kinds, kinds
 
 
+@pytest.mark.slow
+def test_a_short_prompt_behind_a_long_prefill_joins_its_forwards_whole_and_the_long_chunk_gives_way(
+    lm, chat_ids, hf_greedy, engine_factory
+):
+    eng = engine_factory(runner_class=RecordingRunner)
+    runner = eng.runner
+    long_ids, short_ids = _long_prompt(chat_ids, 1000), chat_ids("Name ten animals.")
+    long_out, short_out = Collector(), Collector()
+    eng.submit(_request(long_ids, 2), long_out)
+    while not any(kind == "prefill" for kind, *_ in runner.calls):
+        time.sleep(0.005)
+    eng.submit(_request(short_ids, 8, ignore_eos=True), short_out)
+    assert short_out.done.wait(120) and short_out.error is None
+    assert long_out.done.wait(180) and long_out.error is None
+    prefills = [(rows, width, pos) for kind, rows, width, pos in runner.calls if kind == "prefill"]
+    (joined,) = [i for i, (rows, _, _) in enumerate(prefills) if rows == 2]  # one forward, whole
+    assert joined < len(prefills) - 1  # its first token came while the long prompt had chunks to go
+    _, width, pos = prefills[joined]  # row 0: the long prompt's chunk, shortened by the short prompt
+    full = admission.chunk_tokens(512, pos, runner.keys_per_token)
+    assert admission.chunk_tokens(512 - len(short_ids), pos, runner.keys_per_token) <= width < full
+    assert sum(w for rows, w, _ in prefills if rows == 1) + width == len(long_ids) - prefills[0][2]
+    assert_greedy_equal(lm, short_ids, short_out.tokens, hf_greedy(short_ids, 8))
+    assert_greedy_equal(lm, long_ids, long_out.tokens, hf_greedy(long_ids, 2))
+    _settled(eng)
+
+
 def _rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
