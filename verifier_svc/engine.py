@@ -351,7 +351,7 @@ class Engine:
         for seq, end in zip(joining, ends, strict=True):
             self.blocks.grow(seq.blocks, end)
         rows = self.cache.rows([s.blocks for s in joining], max(ends))
-        step = prefill_step(self.runner, joining, chunks, rows)
+        step = prefill_step(self.runner, joining, chunks, rows, self.packed)
         for seq in joining:
             self.blocks.commit(seq.blocks, self._cache_tokens(seq)[: seq.length])
         if self.metrics is not None:

@@ -32,14 +32,28 @@ class PrefillStep:
     state_rows: list[int]  # per finished request, its prompt's last row in hidden.view(b * n, h)
 
 
-def prefill_step(runner: ModelRunner, joining: list[Sequence], chunks: list[list[int]], rows: PagedRows) -> PrefillStep:
+def prefill_step(
+    runner: ModelRunner, joining: list[Sequence], chunks: list[list[int]], rows: PagedRows, packed: bool = True
+) -> PrefillStep:
     """One forward over the next prompt chunk of each joining request (``rows``: their blocks); advances
     each one's cached length. Prompts now cached in full get their first token (a preempted
-    request's is its pending one, so it gets none)."""
+    request's is its pending one, so it gets none). ``packed`` (where the runner can): chunks of
+    unequal lengths (a long prompt's beside short prompts) run packed, so the linear layers compute
+    no padding, as a packed decode step does."""
     dev = runner.device
     step = prefill_inputs(chunks, [s.length for s in joining], dev)
+    b, n = step.input_ids.shape
+    lengths = [len(c) for c in chunks]
     t0 = time.perf_counter()
-    hidden = runner.forward(rows, step.input_ids, step.positions, step.mask)  # [b, n, h]
+    computed = b * n
+    if packed and runner.packs and sum(lengths) < 0.9 * b * n:
+        computed = sum(lengths)
+        packing = Packing(*unpadded(lengths, dev), b, n)
+        real = runner.forward(rows, step.input_ids, step.positions, step.mask, packing=packing)[0]  # [N, h]
+        hidden = real.new_zeros(b, n, real.shape[-1])
+        hidden[packing.rows, packing.cols] = real  # [b, n, h], padding zeros
+    else:
+        hidden = runner.forward(rows, step.input_ids, step.positions, step.mask)  # [b, n, h]
     for seq, chunk in zip(joining, chunks, strict=True):
         seq.length += len(chunk)
     finished = [i for i, s in enumerate(joining) if s.length == s.cache_target and not s.output]
@@ -55,7 +69,7 @@ def prefill_step(runner: ModelRunner, joining: list[Sequence], chunks: list[list
     # The state that predicted each first token: the prompt's last, for proposers that take states.
     state_rows = [i * n + len(chunks[i]) - 1 for i in finished]
     seconds = time.perf_counter() - t0
-    return PrefillStep(hidden, seconds, int(step.input_ids.numel()), finished, tokens, logprobs, state_rows)
+    return PrefillStep(hidden, seconds, computed, finished, tokens, logprobs, state_rows)
 
 
 @dataclass(frozen=True)
