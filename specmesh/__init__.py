@@ -2,7 +2,16 @@
 
 from specmesh.client import AsyncClient, Client, GenerationStream
 from specmesh.credentials import TlsOptions
-from specmesh.params import Chunk, Completion, SamplingParams, SpecDecodeParams, Summary, TokenLogprob, TopLogprob
+from specmesh.params import (
+    Chunk,
+    Completion,
+    PromptLogprobs,
+    SamplingParams,
+    SpecDecodeParams,
+    Summary,
+    TokenLogprob,
+    TopLogprob,
+)
 
 __all__ = [
     "AsyncClient",
@@ -10,6 +19,7 @@ __all__ = [
     "Client",
     "Completion",
     "GenerationStream",
+    "PromptLogprobs",
     "SamplingParams",
     "SpecDecodeParams",
     "Summary",

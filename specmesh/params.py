@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from specmesh.v1 import generation_pb2, params_pb2
@@ -28,10 +29,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # N in [0, 20]: each token's logprob and the N most likely alternatives
     stop_token_ids: tuple[int, ...] = ()
+    # Logits processing, as vLLM (params.proto says each formula):
+    min_tokens: int = 0  # EOS and stop_token_ids masked (and stop strings ignored) before this many tokens
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id → added to its logit
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be generated (empty: all)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # None: 1.0 (off)
+    min_p: float = 0.0
+    prompt_logprobs: int | None = None  # N in [0, 20]: each prompt token's logprob (after the first)
 
     def to_proto(self) -> params_pb2.SamplingParams:
         # the proto's fields, by name (tests/test_request_fields.py); None leaves an optional one unset
-        return params_pb2.SamplingParams(**{k: v for k, v in dataclasses.asdict(self).items() if v is not None})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return params_pb2.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -69,15 +80,29 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's token ids as the model saw them, and each one's log-probability after the first."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]  # logprobs[i] is token_ids[i + 1]'s
+
+    @classmethod
+    def from_proto(cls, msg: generation_pb2.PromptLogprobs) -> PromptLogprobs:
+        return cls(list(msg.token_ids), [TokenLogprob.from_proto(lp) for lp in msg.logprobs])
+
+
+@dataclass(frozen=True)
 class Chunk:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs was set
+    prompt: PromptLogprobs | None = None  # the first chunk's, when SamplingParams.prompt_logprobs was set
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.TokenChunk) -> Chunk:
         lps = [TokenLogprob.from_proto(lp) for lp in msg.logprobs] if msg.logprobs else None
-        return cls(list(msg.token_ids), msg.text, lps)
+        prompt = PromptLogprobs.from_proto(msg.prompt) if msg.HasField("prompt") else None
+        return cls(list(msg.token_ids), msg.text, lps, prompt)
 
 
 @dataclass(frozen=True)
@@ -113,8 +138,11 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     summary: Summary | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs was set
 
     def add(self, chunk: Chunk) -> None:
+        if chunk.prompt is not None:
+            self.prompt = chunk.prompt
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:

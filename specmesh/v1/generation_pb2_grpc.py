@@ -40,6 +40,16 @@ class GenerationServiceStub:
                 request_serializer=specmesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/specmesh.v1.GenerationService/Tokenize',
+                request_serializer=specmesh_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/specmesh.v1.GenerationService/Detokenize',
+                request_serializer=specmesh_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -53,6 +63,20 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The model's tokenizer: text or a chat (through its chat template) to token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids to text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +84,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specmesh_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=specmesh_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=specmesh_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +124,60 @@ class GenerationService:
             '/specmesh.v1.GenerationService/Generate',
             specmesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             specmesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.GenerationService/Tokenize',
+            specmesh_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            specmesh_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.GenerationService/Detokenize',
+            specmesh_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            specmesh_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

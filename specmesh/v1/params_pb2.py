@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/params.proto\x12\x0bspecmesh.v1\"\x89\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x97\x01\n\x10SpecDecodeParams\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x03 \x01(\x05\x12\x14\n\x0cworkload_tag\x18\x04 \x01(\t\x12\x0e\n\x06\x63orpus\x18\x05 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x06 \x01(\t\"Q\n\x0fProposerMetrics\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\"\x89\x03\n\x12SpeculationMetrics\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x02\x12\x46\n\x0cper_proposer\x18\x05 \x03(\x0b\x32\x30.specmesh.v1.SpeculationMetrics.PerProposerEntry\x12\x18\n\x10proposer_wait_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x17\n\x0f\x66\x61llback_reason\x18\x08 \x01(\t\x12\x15\n\rinvalid_trees\x18\t \x01(\r\x12\x1e\n\x16\x61\x63\x63\x65pted_length_counts\x18\n \x03(\r\x1aP\n\x10PerProposerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.specmesh.v1.ProposerMetrics:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/params.proto\x12\x0bspecmesh.v1\"\xd8\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12>\n\nlogit_bias\x18\x0b \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0c \x03(\x05\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x97\x01\n\x10SpecDecodeParams\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x03 \x01(\x05\x12\x14\n\x0cworkload_tag\x18\x04 \x01(\t\x12\x0e\n\x06\x63orpus\x18\x05 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x06 \x01(\t\"Q\n\x0fProposerMetrics\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\"\x89\x03\n\x12SpeculationMetrics\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x02\x12\x46\n\x0cper_proposer\x18\x05 \x03(\x0b\x32\x30.specmesh.v1.SpeculationMetrics.PerProposerEntry\x12\x18\n\x10proposer_wait_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x17\n\x0f\x66\x61llback_reason\x18\x08 \x01(\t\x12\x15\n\rinvalid_trees\x18\t \x01(\r\x12\x1e\n\x16\x61\x63\x63\x65pted_length_counts\x18\n \x03(\r\x1aP\n\x10PerProposerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.specmesh.v1.ProposerMetrics:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.params_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SPECULATIONMETRICS_PERPROPOSERENTRY']._loaded_options = None
   _globals['_SPECULATIONMETRICS_PERPROPOSERENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=307
-  _globals['_SPECDECODEPARAMS']._serialized_start=310
-  _globals['_SPECDECODEPARAMS']._serialized_end=461
-  _globals['_PROPOSERMETRICS']._serialized_start=463
-  _globals['_PROPOSERMETRICS']._serialized_end=544
-  _globals['_SPECULATIONMETRICS']._serialized_start=547
-  _globals['_SPECULATIONMETRICS']._serialized_end=940
-  _globals['_SPECULATIONMETRICS_PERPROPOSERENTRY']._serialized_start=860
-  _globals['_SPECULATIONMETRICS_PERPROPOSERENTRY']._serialized_end=940
+  _globals['_SAMPLINGPARAMS']._serialized_end=642
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=488
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=536
+  _globals['_SPECDECODEPARAMS']._serialized_start=645
+  _globals['_SPECDECODEPARAMS']._serialized_end=796
+  _globals['_PROPOSERMETRICS']._serialized_start=798
+  _globals['_PROPOSERMETRICS']._serialized_end=879
+  _globals['_SPECULATIONMETRICS']._serialized_start=882
+  _globals['_SPECULATIONMETRICS']._serialized_end=1275
+  _globals['_SPECULATIONMETRICS_PERPROPOSERENTRY']._serialized_start=1195
+  _globals['_SPECULATIONMETRICS_PERPROPOSERENTRY']._serialized_end=1275
 # @@protoc_insertion_point(module_scope)
