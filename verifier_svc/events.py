@@ -56,6 +56,8 @@ class TokenEvent:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None  # one per token, for requests that asked
+    # The first event's, for requests that asked for prompt logprobs: prompt_logprobs[i] is prompt token i + 1's.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -114,6 +114,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 chunk = generation_pb2.TokenChunk(token_ids=ev.token_ids, text=ev.text)
                 if ev.logprobs is not None:
                     chunk.logprobs.extend(self._logprobs_pb(ev.token_ids, ev.logprobs))
+                if ev.prompt_logprobs is not None:
+                    ids = req.prompt_ids
+                    chunk.prompt.token_ids.extend(ids)
+                    chunk.prompt.logprobs.extend(self._logprobs_pb(ids[1:], ev.prompt_logprobs))
                 yield generation_pb2.GenerateResponse(request_id=req.request_id, chunk=chunk)
         finally:
             if not finished:  # client cancelled, disconnected or out of time: free the slot now
