@@ -72,11 +72,12 @@ class TokenLogprob:
     logprob: float
     token: str
     top: tuple[TopLogprob, ...] = ()
+    rank: int = 0  # 1 + the number of tokens more likely than it (0: not reported)
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.TokenLogprob) -> TokenLogprob:
         top = tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in msg.top_logprobs)
-        return cls(msg.logprob, msg.token, top)
+        return cls(msg.logprob, msg.token, top, msg.rank)
 
 
 @dataclass(frozen=True)
