@@ -51,13 +51,19 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor, salt: int | torch.Tenso
 
 
 def filter_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Apply temperature, top-k and top-p; masked entries become -inf.
+    """Apply temperature, min-p, top-k and top-p (vLLM's order); masked entries become -inf.
 
-    logits [b, V]; temperature [b] (> 0); top_p [b] in (0, 1]; top_k [b] (0 = off) → [b, V].
-    top-k keeps ties at the k-th value; top-p keeps the smallest prefix of the sorted
-    distribution whose mass reaches top_p (always at least the most likely token).
+    logits [b, V]; temperature [b] (> 0); top_p [b] in (0, 1]; top_k [b] (0 = off); min_p [b] in
+    [0, 1] (None or 0 = off) → [b, V]. min-p drops tokens less likely than min_p × the most likely
+    one's probability (transformers' ``MinPLogitsWarper``); top-k keeps ties at the k-th value;
+    top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p (always at
+    least the most likely token).
 
     >>> out = filter_logits(torch.tensor([[1.0, 3.0, 2.0]]), torch.tensor([1.0]),
     ...                     torch.tensor([1.0]), torch.tensor([2]))
@@ -68,6 +74,9 @@ def filter_logits(
     # NaN logits never win; +inf (an overflowing model) is the largest finite, so softmax stays defined.
     logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
     vocab = logits.shape[-1]
+    if min_p is not None and bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)  # [b, V]
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [b]
         kth = torch.topk(logits, int(k.max()), dim=-1).values  # [b, kmax], descending
@@ -107,17 +116,19 @@ def sample_next(
     top_k: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next token per row: argmax where temperature < GREEDY_BELOW (0 = greedy), else a seeded sample.
 
-    logits [b, V]; temperature/top_p float [b]; top_k, seeds, positions int64 [b] → int64 [b].
+    logits [b, V]; temperature/top_p (/min_p) float [b]; top_k, seeds, positions int64 [b] → int64 [b].
     ``positions`` (the index of the token being sampled) is the RNG counter.
     """
     tokens = torch.argmax(logits, dim=-1)  # [b]
     sampled = temperature >= GREEDY_BELOW  # below: greedy, as the request normalisation says
     if bool(sampled.any()):
         rows = sampled.nonzero().squeeze(1)
-        filtered = filter_logits(logits[rows], temperature[rows], top_p[rows], top_k[rows])
+        row_min_p = min_p[rows] if min_p is not None else None
+        filtered = filter_logits(logits[rows], temperature[rows], top_p[rows], top_k[rows], row_min_p)
         probs = torch.softmax(filtered, dim=-1)
         u = uniform(seeds[rows], positions[rows])
         tokens[rows] = sample_from_probs(probs, u)

@@ -68,15 +68,18 @@ def accept_batch(
 
 
 def target_probs(logits: torch.Tensor, reqs: list[GenerationRequest], rows_per_req: list[int]) -> torch.Tensor:
-    """Each request's sampling distribution (temperature, top-p, top-k; temperature 0 as 1) over
-    its logits rows: [rows, vocab] → [rows, vocab] probabilities."""
+    """Each request's sampling distribution (temperature, min-p, top-p, top-k; temperature 0 as 1, with
+    min-p off: greedy requests' rows are read only by ``sample_accept`` callers that sample) over its
+    logits rows: [rows, vocab] → [rows, vocab] probabilities."""
     dev = logits.device
     temperature = [r.temperature if r.temperature > 0 else 1.0 for r in reqs]
+    min_p = [r.min_p if r.temperature > 0 else 0.0 for r in reqs]
     filtered = filter_logits(
         logits,
         repeat_rows(temperature, rows_per_req, dev),
         repeat_rows([r.top_p for r in reqs], rows_per_req, dev),
         repeat_rows([r.top_k for r in reqs], rows_per_req, dev),
+        repeat_rows(min_p, rows_per_req, dev) if any(min_p) else None,
     )
     return torch.softmax(filtered, dim=-1).nan_to_num(0.0)  # a row of NaN logits: no mass, not NaN
 
@@ -125,4 +128,5 @@ def sample_tokens(reqs: list[GenerationRequest], context_lengths: list[int], log
         tensor([r.top_k for r in reqs]),
         tensor([r.seed for r in reqs]),
         tensor(context_lengths),
+        tensor([r.min_p for r in reqs]) if any(r.min_p for r in reqs) else None,
     ).tolist()  # one host copy

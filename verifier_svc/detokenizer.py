@@ -125,14 +125,21 @@ class StopStringFilter:
     def __post_init__(self) -> None:
         self._max_len = max((len(s) for s in self.stops), default=0)
 
-    def push(self, text: str) -> str:
-        """Return the text safe to emit; after a match, nothing more."""
+    def push(self, text: str, armed: bool = True) -> str:
+        """Return the text safe to emit; after a match, nothing more. Not ``armed`` (before
+        ``min_tokens``): no stop string matches in it, but a stop string's start at its end is still
+        held back, so one that ends in armed text is found.
+
+        >>> f = StopStringFilter(["END"])
+        >>> f.push("END; E", armed=False), f.push("ND"), f.matched
+        ('END; ', '', 'END')
+        """
         if self.matched is not None:
             return ""
         if not self.stops:
             return text
         self.pending += text
-        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0] if armed else []
         if hits:
             index, self.matched = min(hits)
             out, self.pending = self.pending[:index], ""

@@ -313,7 +313,7 @@ class Engine:
         while self._waiting and len(self._running) < cfg.max_running and tokens < budget:
             seq = self._waiting[0]
             cached, seed = self._cache_tokens(seq), self._seed(seq)
-            hit = self.blocks.peek(seed, cached)
+            hit = self.blocks.peek(seed, self._readable(seq, cached))
             # Hit blocks nobody holds are free now and would not be once taken.
             free = pool.free_blocks - sum(1 for b in hit if pool.refs[b] == 0)
             need = max(self.blocks.blocks_for(self._need(seq)) - len(hit), 0)
@@ -323,7 +323,7 @@ class Engine:
             if joining and tokens + uncached > budget:
                 break  # would overflow this forward's budget: it joins with the next one
             self._waiting.popleft()
-            seq.blocks = self.blocks.open(seed, cached)
+            seq.blocks = self.blocks.open(seed, self._readable(seq, cached))
             seq.length = seq.blocks.cached_tokens
             seq.slot = len(self._running)
             if self.metrics is not None:
@@ -340,6 +340,14 @@ class Engine:
         self._mid_prefill = (mid, tokens if mid else 0)
         return joining
 
+    @staticmethod
+    def _readable(seq: Sequence, cached: list[int]) -> list[int]:
+        """The tokens whose cached KV ``seq`` may read: a request that asks for prompt logprobs reads
+        none of the prompt it has not scored yet (every row it needs is computed), as vLLM."""
+        if seq.req.prompt_logprobs is None or seq.output:
+            return cached
+        return cached[: len(seq.prompt_logprobs) + 1]
+
     def _prefill(self, joining: list[Sequence]) -> None:
         """One forward over the next prompt chunk of each joining request (a prompt mid-prefill gives
         up the work of the prompts that joined it whole, ``_admit``)."""
@@ -351,7 +359,9 @@ class Engine:
         for seq, end in zip(joining, ends, strict=True):
             self.blocks.grow(seq.blocks, end)
         rows = self.cache.rows([s.blocks for s in joining], max(ends))
-        step = prefill_step(self.runner, joining, chunks, rows, self.packed)
+        step = prefill_step(self.runner, joining, chunks, rows, self.packed, self.eos_token_ids)
+        for i, scored in step.prompt_logprobs.items():
+            joining[i].prompt_logprobs += scored
         for seq in joining:
             self.blocks.commit(seq.blocks, self._cache_tokens(seq)[: seq.length])
         if self.metrics is not None:
@@ -364,6 +374,10 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.first_token(seq.first_token - seq.arrival)
             self.stats.prompt_tokens += len(seq.req.prompt_ids)
+            if seq.req.max_tokens == 0:  # prefill only (to score the prompt): no token
+                seq.sink(seq.prefill_only())
+                self._finish(seq, "length")
+                continue
             self._append(seq, [tok], lp)
             self.speculation.emitted(seq, [tok], state, first=True)
 
@@ -375,7 +389,7 @@ class Engine:
             self.blocks.grow(seq.blocks, seq.length + 1 + len(tree))
         width = 1 + max(len(t) for t in trees)
         rows = self.cache.rows([s.blocks for s in seqs], max(s.length for s in seqs) + width)
-        step = decode_step(self.runner, seqs, trees, self.packed, self.config.device_accept, rows)
+        step = decode_step(self.runner, seqs, trees, self.packed, self.config.device_accept, rows, self.eos_token_ids)
         self.speculation.observe_step(len(seqs), step.computed / len(seqs), step.seconds, step.width, step.keys)
         self.stats.steps += 1
         if self.metrics is not None:

@@ -16,9 +16,12 @@ from specmesh_server.model_runner import ModelRunner
 from specmesh_server.paged_kv import PagedRows
 from specmesh_server.tree import TokenTree
 from verifier_svc.batch_accept import accept_batch, sample_tokens
-from verifier_svc.logprobs import TokenLogprob, step_logprobs
+from verifier_svc.logits_controls import process_logits
+from verifier_svc.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from verifier_svc.sequence import Sequence
 from verifier_svc.step_inputs import decode_inputs, prefill_inputs, unpadded
+
+NO_TREE = TokenTree([], [])
 
 
 @dataclass(frozen=True)
@@ -30,16 +33,26 @@ class PrefillStep:
     first_tokens: list[int]  # one per finished request
     logprobs: list[list[TokenLogprob] | None]  # one per finished request
     state_rows: list[int]  # per finished request, its prompt's last row in hidden.view(b * n, h)
+    # Per request asking for prompt logprobs: those of the prompt tokens this chunk predicted, in order
+    # (continuing the request's ``prompt_logprobs``).
+    prompt_logprobs: dict[int, list[TokenLogprob]]
 
 
 def prefill_step(
-    runner: ModelRunner, joining: list[Sequence], chunks: list[list[int]], rows: PagedRows, packed: bool = True
+    runner: ModelRunner,
+    joining: list[Sequence],
+    chunks: list[list[int]],
+    rows: PagedRows,
+    packed: bool = True,
+    eos_ids: set[int] | frozenset[int] = frozenset(),
 ) -> PrefillStep:
     """One forward over the next prompt chunk of each joining request (``rows``: their blocks); advances
     each one's cached length. Prompts now cached in full get their first token (a preempted
-    request's is its pending one, so it gets none). ``packed`` (where the runner can): chunks of
-    unequal lengths (a long prompt's beside short prompts) run packed, so the linear layers compute
-    no padding, as a packed decode step does."""
+    request's is its pending one, so it gets none), drawn from their processed logits
+    (``logits_controls``; ``eos_ids`` for min_tokens). Requests that ask for prompt logprobs get
+    those of the prompt tokens this chunk predicts (one lm-head pass and one host copy for the
+    chunk). ``packed`` (where the runner can): chunks of unequal lengths (a long prompt's beside
+    short prompts) run packed, so the linear layers compute no padding, as a packed decode step does."""
     dev = runner.device
     step = prefill_inputs(chunks, [s.length for s in joining], dev)
     b, n = step.input_ids.shape
@@ -54,6 +67,7 @@ def prefill_step(
         hidden[packing.rows, packing.cols] = real  # [b, n, h], padding zeros
     else:
         hidden = runner.forward(rows, step.input_ids, step.positions, step.mask)  # [b, n, h]
+    prompt_lps = chunk_prompt_logprobs(runner, joining, chunks, hidden)
     for seq, chunk in zip(joining, chunks, strict=True):
         seq.length += len(chunk)
     finished = [i for i, s in enumerate(joining) if s.length == s.cache_target and not s.output]
@@ -63,13 +77,44 @@ def prefill_step(
         last = torch.tensor([len(chunks[i]) - 1 for i in finished], device=dev)
         logits = runner.logits(hidden[torch.tensor(finished, device=dev), last])  # [f, vocab]
         reqs = [joining[i].req for i in finished]
+        logits = process_logits(logits, reqs, [[]] * len(reqs), [NO_TREE] * len(reqs), set(eos_ids))
         tokens = sample_tokens(reqs, [joining[i].context_length for i in finished], logits)
         logprobs = step_logprobs(reqs, logits, lambda j: ([j], [tokens[j]]))
     n = hidden.shape[1]
     # The state that predicted each first token: the prompt's last, for proposers that take states.
     state_rows = [i * n + len(chunks[i]) - 1 for i in finished]
     seconds = time.perf_counter() - t0
-    return PrefillStep(hidden, seconds, computed, finished, tokens, logprobs, state_rows)
+    return PrefillStep(hidden, seconds, computed, finished, tokens, logprobs, state_rows, prompt_lps)
+
+
+def chunk_prompt_logprobs(
+    runner: ModelRunner, joining: list[Sequence], chunks: list[list[int]], hidden: torch.Tensor
+) -> dict[int, list[TokenLogprob]]:
+    """Prompt logprobs this chunk gives, per joining request that asks and has no output yet: the
+    row at prompt position q (from the first not yet scored) predicts prompt token q + 1.
+
+    hidden: [b, n, h], request i's chunk at hidden[i, :len(chunks[i])], starting at its cached length."""
+    dev = hidden.device
+    picks: list[tuple[int, int, int]] = []  # (request, first row in its chunk, rows)
+    for i, (seq, chunk) in enumerate(zip(joining, chunks, strict=True)):
+        if seq.req.prompt_logprobs is None or seq.output:
+            continue
+        start, scored = seq.length, len(seq.prompt_logprobs)
+        stop = min(start + len(chunk), len(seq.req.prompt_ids) - 1)  # the last prompt row predicts the output
+        if stop > max(start, scored):
+            picks.append((i, max(start, scored) - start, stop - max(start, scored)))
+    if not picks:
+        return {}
+    b_idx = torch.cat([torch.full((n,), i, dtype=torch.long) for i, _, n in picks]).to(dev)
+    col = torch.cat([torch.arange(c, c + n) for _, c, n in picks]).to(dev)
+    logits = runner.logits(hidden[b_idx, col])  # [rows, vocab]
+    nxt = [joining[i].req.prompt_ids[joining[i].length + c + 1 : joining[i].length + c + 1 + n] for i, c, n in picks]
+    n_top = [joining[i].req.prompt_logprobs or 0 for i, _, n in picks for _ in range(n)]
+    flat = prompt_logprobs(logits, torch.tensor([t for ts in nxt for t in ts], device=dev), n_top)
+    out, offset = {}, 0
+    for i, _, n in picks:
+        out[i], offset = flat[offset : offset + n], offset + n
+    return out
 
 
 @dataclass(frozen=True)
@@ -97,9 +142,12 @@ def decode_step(
     packed: bool,
     device_accept: bool | None,
     rows: PagedRows,
+    eos_ids: set[int] | frozenset[int] = frozenset(),
 ) -> DecodeStep:
     """One batched forward over prefilled requests (``rows``: their blocks): each one's pending token plus
-    its tree (maybe empty); then lossless acceptance per request (``batch_accept.accept_batch``)."""
+    its tree (maybe empty); then each request's logits controls on every row (``logits_controls``:
+    each node as if its path were generated; ``eos_ids`` for min_tokens) and lossless acceptance per
+    request (``batch_accept.accept_batch``)."""
     dev = runner.device
     step = decode_inputs([s.pending for s in seqs], [s.length for s in seqs], trees, dev)
     width = step.input_ids.shape[1]
@@ -121,6 +169,7 @@ def decode_step(
     hidden = hidden[0] if packing is not None else hidden[real]  # [sum(n_i + 1), h]
     logits = runner.logits(hidden)  # [sum(n_i + 1), vocab]
     reqs = [s.req for s in seqs]
+    logits = process_logits(logits, reqs, [s.output for s in seqs], trees, set(eos_ids))
     results = accept_batch(reqs, [s.context_length for s in seqs], trees, logits, counts, device_accept=device_accept)
     starts = [0, *itertools.accumulate(counts)]
 

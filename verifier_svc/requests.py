@@ -6,11 +6,14 @@ that says which field to fix.
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from specmesh.v1 import generation_pb2
 from specmesh_router.policy import PolicyLimits
@@ -18,6 +21,7 @@ from specmesh_server.sampling import GREEDY_BELOW
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_TAG_CHARS = 64
 MAX_SCOPE_CHARS = 128  # a cache_scope: room for the gateway's 17-character tenant prefix
 # The client's request_id is a label only (echoed in every response chunk, logged; the engine files
@@ -65,6 +69,34 @@ class GenerationRequest:
     spec_params: SpecParams  # the client's speculation parameters
     logprobs: int | None = None  # None: none; N: each token's logprob and its N most likely alternatives
     stop_token_ids: frozenset[int] = frozenset()
+    # Logits controls (``logits_controls``) and min_p (``sampling.filter_logits``); params.proto has the formulas.
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ascending ids
+    allowed_token_ids: frozenset[int] = frozenset()  # empty: every token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    prompt_logprobs: int | None = (
+        None  # None: none; N: each prompt token's logprob (after the first) and N alternatives
+    )
+
+    @property
+    def has_controls(self) -> bool:
+        """Whether any logits control is set (``logits_controls.process_logits`` skips requests without)."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
+    @functools.cached_property
+    def prompt_token_set(self) -> torch.Tensor:
+        """The prompt's distinct token ids (the repetition penalty's prompt tokens), made once."""
+        return torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -121,8 +153,8 @@ def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: R
     room = limits.max_context - len(prompt_ids)  # > 0: _prompt_ids checked it
     default = room if limits.max_sequence is None else min(room, max(limits.max_sequence - len(prompt_ids), 1))
     max_tokens = s.max_tokens if s.HasField("max_tokens") else default  # unset: the rest of the context (as vLLM)
-    if max_tokens < 1:
-        raise InvalidRequest("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+    if max_tokens < 0:
+        raise InvalidRequest("sampling.max_tokens", f"must be >= 0 (0: prefill only), got {max_tokens}")
     if max_tokens > room:
         raise InvalidRequest(
             "sampling.max_tokens",
@@ -138,6 +170,9 @@ def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: R
     logprobs = s.logprobs if s.HasField("logprobs") else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequest("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    prompt_logprobs = s.prompt_logprobs if s.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest("sampling.prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}")
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
     return GenerationRequest(
         request_id=msg.request_id or uuid.uuid4().hex,
@@ -152,7 +187,40 @@ def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: R
         spec_params=_spec_params(msg, limits),
         logprobs=logprobs,
         stop_token_ids=frozenset(s.stop_token_ids),
+        **_controls(s, int(max_tokens), limits.vocab_size),
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _controls(s: Any, max_tokens: int, vocab_size: int) -> dict[str, Any]:
+    """The logits controls and min_p of ``SamplingParams`` ``s``, checked (ranges as OpenAI's and vLLM's)."""
+
+    def in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False) -> float:
+        if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+            raise InvalidRequest(f"sampling.{name}", f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+        return float(value)
+
+    def ids(name: str, values: Any) -> list[int]:
+        if bad := [t for t in values if not 0 <= t < vocab_size]:
+            raise InvalidRequest(f"sampling.{name}", f"token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        return list(values)
+
+    if not 0 <= s.min_tokens <= max_tokens:
+        raise InvalidRequest("sampling.min_tokens", f"must be in [0, max_tokens = {max_tokens}], got {s.min_tokens}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(s.logit_bias)}")
+    ids("logit_bias", s.logit_bias)
+    bias = {t: in_range("logit_bias", v, -100, 100) for t, v in s.logit_bias.items()}
+    repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    return {
+        "min_tokens": int(s.min_tokens),
+        "logit_bias": tuple(sorted(bias.items())),
+        "allowed_token_ids": frozenset(ids("allowed_token_ids", s.allowed_token_ids)),
+        "presence_penalty": in_range("presence_penalty", s.presence_penalty, -2, 2),
+        "frequency_penalty": in_range("frequency_penalty", s.frequency_penalty, -2, 2),
+        "repetition_penalty": in_range("repetition_penalty", repetition, 0, 2, lo_open=True),
+        "min_p": in_range("min_p", s.min_p, 0, 1),
+    }
 
 
 def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: RequestLimits) -> list[int]:

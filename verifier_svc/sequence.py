@@ -28,6 +28,7 @@ class Sequence:
     length: int = 0  # tokens whose KV is cached
     cached_tokens: int = 0  # prompt tokens a prefix-cache hit brought when it first joined
     output: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1… scored so far (if asked)
     done: bool = False
     steps: int = 0
     verify_s: float = 0.0
@@ -65,8 +66,11 @@ class Sequence:
     ) -> tuple[TokenEvent, str]:
         """Append tokens up to the first limit (EOS or a stop token id, ``max_tokens``, the context)
         and detokenize them through the stop-string filter: the event to stream, and why the
-        request finished ("eos" | "length" | "stop"; "" while it goes on)."""
+        request finished ("eos" | "length" | "stop"; "" while it goes on). Stop strings end nothing
+        before ``min_tokens`` tokens (vLLM: they are looked for once the output is longer). The first
+        event carries the prompt's logprobs, where asked."""
         req, reason, emitted = self.req, "", []
+        first = not self.output
         for tok in tokens:
             self.output.append(tok)
             emitted.append(tok)
@@ -76,12 +80,23 @@ class Sequence:
                 reason = "length"
             if reason:
                 break
-        text = self.stopper.push(self.detok.push(emitted))
+        # The tokens that leave the output at most min_tokens long are not searched for stop strings.
+        quiet = max(min(req.min_tokens - (len(self.output) - len(emitted)), len(emitted)), 0)
+        text = self.stopper.push(self.detok.push(emitted[:quiet]), armed=False) if quiet else ""
+        text += self.stopper.push(self.detok.push(emitted[quiet:]))
         if self.stopper.matched is not None:
             reason = "stop"
         if reason:
             text += self.stopper.push(self.detok.flush()) + self.stopper.flush()
-        return TokenEvent(emitted, text, logprobs[: len(emitted)] if logprobs is not None else None), reason
+        event = TokenEvent(emitted, text, logprobs[: len(emitted)] if logprobs is not None else None)
+        if first and req.prompt_logprobs is not None:
+            event.prompt_logprobs = self.prompt_logprobs
+        return event, reason
+
+    def prefill_only(self) -> TokenEvent:
+        """The one event of a request with ``max_tokens`` 0: no tokens, its prompt's logprobs where asked."""
+        scored = self.prompt_logprobs if self.req.prompt_logprobs is not None else None
+        return TokenEvent([], "", prompt_logprobs=scored)
 
     def finish_event(self, reason: str, now: float) -> FinishEvent:
         return FinishEvent(
