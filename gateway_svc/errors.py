@@ -21,6 +21,7 @@ _FIELD_PARAMS = {
     "input.chat": "messages",
     "input.text": "prompt",
     "input.token_ids": "prompt",
+    "tokens": "tokens",  # Detokenize
 }
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

@@ -10,6 +10,7 @@ from specmesh.params import (
     SpecDecodeParams,
     Summary,
     TokenLogprob,
+    Tokens,
     TopLogprob,
 )
 
@@ -25,6 +26,7 @@ __all__ = [
     "Summary",
     "TlsOptions",
     "TokenLogprob",
+    "Tokens",
     "TopLogprob",
 ]
 __version__ = "0.1.0"

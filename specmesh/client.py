@@ -9,13 +9,23 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 import grpc
 
 from specmesh.credentials import TlsOptions, bearer, channel, env_token
-from specmesh.params import Chunk, Completion, Prompt, SamplingParams, SpecDecodeParams, Summary, build_request
-from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
+from specmesh.params import (
+    Chunk,
+    Completion,
+    Prompt,
+    SamplingParams,
+    SpecDecodeParams,
+    Summary,
+    Tokens,
+    build_request,
+    build_tokenize_request,
+)
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 # Every channel of ours (this SDK and the gateway on it, the verifier's proposer tiers): a restarted
@@ -101,6 +111,27 @@ class Client:
         out.summary = stream.summary
         return out
 
+    def tokenize(
+        self,
+        prompt: str | list[dict[str, str]],
+        *,
+        chat: bool = False,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
+        return_token_strs: bool = False,
+        timeout: float | None = None,
+    ) -> Tokens:
+        """The prompt's token ids as Generate would see them (a chat through the model's template).
+        ``add_special_tokens`` None: the tokenizer's special tokens for text, none beyond the
+        template's for a chat; ``add_generation_prompt`` None: true (chat only)."""
+        req = build_tokenize_request(prompt, chat, add_special_tokens, add_generation_prompt, return_token_strs)
+        return Tokens.from_proto(self._gen.Tokenize(req, timeout=timeout, metadata=self._md), return_token_strs)
+
+    def detokenize(self, tokens: Iterable[int], *, timeout: float | None = None) -> str:
+        """The text of token ids (an id outside the vocabulary: INVALID_ARGUMENT)."""
+        req = generation_pb2.DetokenizeRequest(tokens=tokens)
+        return self._gen.Detokenize(req, timeout=timeout, metadata=self._md).text
+
     def stats(self) -> admin_pb2.GetStatsResponse:
         return self._admin.GetStats(admin_pb2.GetStatsRequest(), metadata=self._md)
 
@@ -174,6 +205,26 @@ class AsyncClient:
             else:
                 out.add(item)
         return out
+
+    async def tokenize(
+        self,
+        prompt: str | list[dict[str, str]],
+        *,
+        chat: bool = False,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
+        return_token_strs: bool = False,
+        timeout: float | None = None,
+    ) -> Tokens:
+        """``Client.tokenize`` on asyncio."""
+        req = build_tokenize_request(prompt, chat, add_special_tokens, add_generation_prompt, return_token_strs)
+        resp = await self._gen.Tokenize(req, timeout=timeout, metadata=self._md)
+        return Tokens.from_proto(resp, return_token_strs)
+
+    async def detokenize(self, tokens: Iterable[int], *, timeout: float | None = None) -> str:
+        """``Client.detokenize`` on asyncio."""
+        req = generation_pb2.DetokenizeRequest(tokens=tokens)
+        return (await self._gen.Detokenize(req, timeout=timeout, metadata=self._md)).text
 
     async def stats(self, timeout: float | None = None) -> admin_pb2.GetStatsResponse:
         return await self._admin.GetStats(admin_pb2.GetStatsRequest(), timeout=timeout, metadata=self._md)

@@ -179,3 +179,42 @@ def build_request(
         for m in prompt:
             req.chat.messages.add(role=m["role"], content=m["content"])  # type: ignore[index]
     return req
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What ``Client.tokenize`` returns: the prompt's token ids, each one's string in the tokenizer's
+    own form (``"Ġthe"``) when asked for (else None), and the model's context length in tokens."""
+
+    tokens: list[int]
+    token_strs: list[str] | None
+    max_model_len: int
+
+    @classmethod
+    def from_proto(cls, msg: generation_pb2.TokenizeResponse, with_strs: bool) -> Tokens:
+        return cls(list(msg.tokens), list(msg.token_strs) if with_strs else None, msg.max_model_len)
+
+
+def build_tokenize_request(
+    prompt: str | list[dict[str, str]],
+    chat: bool,
+    add_special_tokens: bool | None = None,
+    add_generation_prompt: bool | None = None,
+    return_token_strs: bool = False,
+) -> generation_pb2.TokenizeRequest:
+    """str → text (or a single user turn when ``chat``); list[dict] → chat. ``None`` leaves a flag to
+    the server: special tokens for text, none beyond the template's for a chat; a generation prompt."""
+    req = generation_pb2.TokenizeRequest(
+        add_special_tokens=add_special_tokens,
+        add_generation_prompt=add_generation_prompt,
+        return_token_strs=return_token_strs,
+    )
+    if isinstance(prompt, str) and not chat:
+        req.text = prompt
+    elif isinstance(prompt, str):
+        req.chat.messages.add(role="user", content=prompt)
+    else:  # an empty list: the server answers INVALID_ARGUMENT naming the field
+        req.chat.SetInParent()
+        for m in prompt:
+            req.chat.messages.add(role=m["role"], content=m["content"])
+    return req

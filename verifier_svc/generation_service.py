@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import Message
 
 from specmesh.v1 import generation_pb2, generation_pb2_grpc, params_pb2
 from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent, NeverFits
 from verifier_svc.logprobs import TokenLogprob
 from verifier_svc.requests import InvalidRequest, ProposerNotConfigured, RequestLimits, build_request
 from verifier_svc.speculation import ProposerRefused, SpeculationControl
+from verifier_svc.tokenization import detokenize, tokenize
 
 if TYPE_CHECKING:
     from specmesh_server.metrics import VerifierMetrics
@@ -55,6 +57,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             generation_pb2.TokenLogprob(
                 logprob=lp.logprob,
                 token=text(tok),
+                rank=lp.rank,
                 top_logprobs=[
                     generation_pb2.TopLogprob(token_id=i, logprob=v, token=text(i))
                     for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
@@ -124,6 +127,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self.engine.cancel(key)
                 if self.metrics is not None:
                     self.metrics.request_finished(_unfinished_status(context))
+
+    async def Tokenize(
+        self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.TokenizeResponse:
+        """Text or a chat to token ids, as Generate would tokenize it (``verifier_svc.tokenization``)."""
+        return await self._on_tokenizer(tokenize, request, context)
+
+    async def Detokenize(
+        self, request: generation_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.DetokenizeResponse:
+        """Token ids to text; an id outside the vocabulary is INVALID_ARGUMENT naming ``tokens``."""
+        return await self._on_tokenizer(detokenize, request, context)
+
+    async def _on_tokenizer(
+        self, fn: Callable[..., Message], request: Message, context: grpc.aio.ServicerContext
+    ) -> Message:
+        """``fn(request, tokenizer, limits)`` on the tokenizer's one thread (Generate's queue, in order)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.tokenize_pool, fn, request, self.tokenizer, self.limits
+            )
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 def _unfinished_status(context: grpc.aio.ServicerContext) -> str:

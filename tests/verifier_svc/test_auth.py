@@ -297,3 +297,21 @@ def test_concurrent_secured_streams(address, mtls):
     for t in threads:
         t.join(120)
     assert results == [24] * 4
+
+
+def test_tokenize_and_detokenize_need_a_token_as_generate_does_and_the_gateway_its_api_key(address, mtls, gateway, pki):
+    for token in ("", "not-a-token"):
+        with Client(address, tls=mtls, token=token) as c:
+            assert _code(lambda c=c: c.tokenize("Hi")) == grpc.StatusCode.UNAUTHENTICATED
+            assert _code(lambda c=c: c.detokenize([1])) == grpc.StatusCode.UNAUTHENTICATED
+    with Client(address, tls=mtls, token=TOKENS["client"]) as c:
+        assert c.detokenize(c.tokenize("Hi there").tokens) == "Hi there"
+    a, _ = pki
+    root, context = gateway.url.removesuffix("/v1"), ssl.create_default_context(cafile=str(a.ca))
+    body = {"model": "smollm2", "prompt": "Hi there"}
+    assert httpx.post(f"{root}/tokenize", json=body, verify=context).status_code == 401
+    assert httpx.post(f"{root}/detokenize", json={"tokens": [1]}, verify=context).status_code == 401
+    key = {"Authorization": f"Bearer {TOKENS['api']}"}
+    tokens = httpx.post(f"{root}/tokenize", json=body, headers=key, verify=context).json()["tokens"]
+    resp = httpx.post(f"{root}/detokenize", json={"tokens": tokens}, headers=key, verify=context)
+    assert resp.json() == {"prompt": "Hi there"}
