@@ -39,7 +39,10 @@ def add_error_handlers(app: FastAPI) -> None:
         else:
             loc = [str(x) for x in first.get("loc", ()) if x != "body"]
             param = ".".join(loc) or None
-            err = ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
+            if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
+                err = ApiError(400, f"Unrecognized request argument supplied: {param}", param=param)
+            else:
+                err = ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
         return error_response(request.app.state.gateway, err, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

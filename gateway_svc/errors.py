@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import grpc
 
-# The verifier's field names (verifier_svc/requests.py) → the OpenAI request field a client sent.
+# The verifier's field names (verifier_svc/requests.py) → the OpenAI request field a client sent, where
+# not the same name: ``sampling.<name>`` is the request field <name> (max_tokens, logprobs and
+# prompt_logprobs go by the names the endpoint gives them: ``param_of``).
 _FIELD_PARAMS = {
-    "sampling.temperature": "temperature",
-    "sampling.top_p": "top_p",
-    "sampling.top_k": "top_k",
-    "sampling.seed": "seed",
-    "sampling.stop": "stop",
-    "sampling.stop_token_ids": "stop_token_ids",
     "input.chat": "messages",
     "input.text": "prompt",
     "input.token_ids": "prompt",
+    "request_id": "request_id",
     "tokens": "tokens",  # Detokenize
 }
 _STATUS = {
@@ -56,38 +53,61 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class RequestError(ApiError):
+    """A request the gateway refuses before it reaches the verifier: 400 naming the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(400, message, param=param)
+
+
 def _field(details: str) -> str:
     """The verifier field a message names: its messages start with ``field: …`` (or ``field 'x' …``)."""
     return details.split(":", 1)[0].split(" ", 1)[0]
 
 
-def param_of(details: str, max_tokens_param: str, logprobs_param: str) -> str | None:
+def param_of(
+    details: str, max_tokens_param: str, logprobs_param: str, prompt_logprobs_param: str = "prompt_logprobs"
+) -> str | None:
     """The request field a verifier message names (its messages start with ``field: …``).
 
     >>> param_of("sampling.top_p: must be in (0, 1], got 2.0", "max_tokens", "logprobs")
     'top_p'
     >>> param_of("sampling.max_tokens: the prompt has 9 tokens …", "max_completion_tokens", "top_logprobs")
     'max_completion_tokens'
+    >>> param_of("sampling.prompt_logprobs: must be in [0, 20]", "max_tokens", "logprobs", "logprobs")
+    'logprobs'
+    >>> param_of("sampling.logit_bias: token id 99999 outside the vocabulary", "max_tokens", "logprobs")
+    'logit_bias'
     >>> param_of("spec_decode.proposer 'x' refused the request: …", "max_tokens", "logprobs")
     'spec_decode.proposer'
     """
     field = _field(details)
-    if field == "sampling.max_tokens":
-        return max_tokens_param
-    if field == "sampling.logprobs":
-        return logprobs_param
+    renamed = {
+        "sampling.max_tokens": max_tokens_param,
+        "sampling.logprobs": logprobs_param,
+        "sampling.prompt_logprobs": prompt_logprobs_param,
+    }
+    if field in renamed:
+        return renamed[field]
+    if field.startswith("sampling."):
+        return field.removeprefix("sampling.")
     if field.startswith("spec_decode."):
         return field
     return _FIELD_PARAMS.get(field)
 
 
-def from_grpc(exc: grpc.RpcError, max_tokens_param: str = "max_tokens", logprobs_param: str = "logprobs") -> ApiError:
+def from_grpc(
+    exc: grpc.RpcError,
+    max_tokens_param: str = "max_tokens",
+    logprobs_param: str = "logprobs",
+    prompt_logprobs_param: str = "prompt_logprobs",
+) -> ApiError:
     code, details = exc.code(), exc.details() or ""
     status, kind = _STATUS.get(code, (500, "server_error"))
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and NEVER_FITS in details:  # retrying cannot help: 400
         message = f"{max_tokens_param}: {details}"
         return ApiError(400, message, "invalid_request_error", max_tokens_param, "context_length_exceeded")
-    param = param_of(details, max_tokens_param, logprobs_param) if status == 400 else None
+    param = param_of(details, max_tokens_param, logprobs_param, prompt_logprobs_param) if status == 400 else None
     message = param + details[len(_field(details)) :] if param else details  # the field as the client named it
     if status == 503:
         message = f"the verifier is unavailable: {details}"

@@ -21,10 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway_svc.auth import tenant_scope
 from gateway_svc.choices import Choice, close_choices, merged
+from gateway_svc.echo import PromptView, prompt_views
 from gateway_svc.errors import from_grpc
+from gateway_svc.logprob_shapes import chat_logprobs, completion_logprobs, joined
 from gateway_svc.metrics import GatewayMetrics
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest
-from gateway_svc.responses import chat_logprobs, completion_logprobs, finish, speculation, usage_of
+from gateway_svc.responses import finish, speculation, usage_of
 from gateway_svc.upstream import Gateway, ModelInfo
 from specmesh.params import Prompt, SpecDecodeParams, Summary
 
@@ -60,7 +62,7 @@ async def generate(
     """Open the request's choices (refusals raise ApiError before any byte is sent) and answer."""
     m = gw.metrics
     endpoint = f"/v1/{'chat/' if chat else ''}completions"
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = body.response_id(uuid.uuid4().hex)
     t0 = time.perf_counter()
     m.in_flight.inc()
     try:
@@ -69,8 +71,13 @@ async def generate(
         m.in_flight.dec()
         raise
     m.ttft.observe(time.perf_counter() - t0)
+    try:
+        views = await prompt_views(gw.client, body, prompts, [c.first for c in choices[:: body.n]], params)
+    except BaseException:
+        await close_choices(choices)
+        m.in_flight.dec()
+        raise
     head = {"id": rid, "created": int(time.time()), "model": info.name}
-    want_logprobs = body.wants_logprobs
     if not body.stream:
         try:
             async for c, item in merged(choices):
@@ -84,16 +91,8 @@ async def generate(
         count_summaries(m, summaries.values())
         m.requests.labels(endpoint, "200").inc()
         m.latency.labels(endpoint, "false").observe(time.perf_counter() - t0)
-        out = []
-        for c in choices:
-            choice = {"index": c.index, **finish(c.summary)}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
-                choice["logprobs"] = chat_logprobs(c.logprobs) if want_logprobs else None
-            else:
-                choice["text"] = c.text
-                choice["logprobs"] = completion_logprobs(c.logprobs) if want_logprobs else None
-            out.append(choice)
+        out = [_choice(c, views[c.index // body.n], body) for c in choices]
+        extra = {"prompt_logprobs": views[0].prompt_logprobs} if chat and body.prompt_logprobs is not None else {}
         return JSONResponse(
             {
                 **head,
@@ -101,27 +100,46 @@ async def generate(
                 "choices": out,
                 "usage": usage_of(summaries, body.n),
                 "metrics": {"speculative_decoding": speculation(list(summaries.values()))},
+                **extra,
             }
         )
     m.requests.labels(endpoint, "200").inc()
-    stream = _events(m, choices, head, chat, want_logprobs, body.include_usage, body.n, params, endpoint, t0)
+    stream = _events(m, choices, views, head, body, params, endpoint, t0)
     return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _choice(c: Choice, view: PromptView, body: ChatCompletionRequest | CompletionRequest) -> dict:
+    """One choice of a whole (non-streamed) response; completions echo the prompt's text (and logprobs)."""
+    choice: dict = {"index": c.index, **finish(c.summary)}
+    if isinstance(body, ChatCompletionRequest):
+        choice["message"] = {"role": "assistant", "content": c.text}
+        choice["logprobs"] = chat_logprobs(c.logprobs) if body.wants_logprobs else None
+        return choice
+    choice["text"] = view.text + c.text
+    logprobs = None
+    if body.wants_logprobs:
+        logprobs = completion_logprobs(c.logprobs, len(view.text))
+        if view.logprobs is not None:
+            logprobs = joined(view.logprobs, logprobs)
+    choice["logprobs"] = logprobs
+    if body.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = view.prompt_logprobs
+    return choice
 
 
 async def _events(
     m: GatewayMetrics,
     choices: list[Choice],
+    views: list[PromptView],
     head: dict,
-    chat: bool,
-    want_logprobs: bool,
-    include_usage: bool,
-    n: int,
+    body: ChatCompletionRequest | CompletionRequest,
     params: dict,
     endpoint: str,
     t0: float,
 ) -> AsyncIterator[bytes]:
+    chat, want_logprobs, n = isinstance(body, ChatCompletionRequest), body.wants_logprobs, body.n
     obj = "chat.completion.chunk" if chat else "text_completion"
-    extra = {"usage": None} if include_usage else {}
+    extra = {"usage": None} if body.include_usage else {}
 
     def event(choice: dict) -> bytes:
         return sse({**head, "object": obj, "choices": [choice], **extra})
@@ -130,10 +148,14 @@ async def _events(
     offsets = dict.fromkeys(last, 0)
     finished = False
     try:
-        if chat:
-            for c in choices:
+        for c in choices:
+            if chat:
                 delta = {"role": "assistant", "content": ""}
                 yield event({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
+            elif text := views[c.index // n].text:  # echo: the prompt is the first text
+                lp = views[c.index // n].logprobs if want_logprobs else None
+                yield event({"index": c.index, "text": text, "logprobs": lp, "finish_reason": None})
+                offsets[c.index] = len(text)
         async for c, item in merged(choices):
             c.take(item)
             if isinstance(item, Summary):
@@ -157,7 +179,7 @@ async def _events(
                 yield event({"index": c.index, "text": item.text, "logprobs": lp, "finish_reason": None})
         summaries = {c.index: c.summary for c in choices}
         count_summaries(m, summaries.values())
-        if include_usage:
+        if body.include_usage:
             yield sse(
                 {
                     **head,

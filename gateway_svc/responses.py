@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specmesh.params import Summary, TokenLogprob
+from specmesh.params import Summary
 
 
 def finish(summary: Summary | None) -> dict:
@@ -83,43 +83,4 @@ def speculation(summaries: Sequence[Summary]) -> dict:
         "num_steps": steps,  # every verification step, drafted or not
         "proposers": proposers,
         "fallback_reason": "; ".join(dict.fromkeys(reasons)) or None,
-    }
-
-
-def _utf8(token: str) -> list[int]:
-    return list(token.encode("utf-8"))
-
-
-def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict:
-    """``choices[i].logprobs`` of a chat completion (or the delta of one chunk)."""
-    return {
-        "content": [
-            {
-                "token": lp.token,
-                "logprob": lp.logprob,
-                "bytes": _utf8(lp.token),
-                "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _utf8(t.token)} for t in lp.top],
-            }
-            for lp in logprobs
-        ]
-    }
-
-
-def completion_logprobs(logprobs: Sequence[TokenLogprob], offset: int = 0) -> dict:
-    """``choices[i].logprobs`` of a legacy completion; ``offset``: characters of text before these tokens.
-
-    >>> from specmesh.params import TopLogprob
-    >>> lps = [TokenLogprob(-0.5, "Hi", (TopLogprob(1, -0.5, "Hi"),)), TokenLogprob(-1.0, "!", ())]
-    >>> completion_logprobs(lps, offset=3)["text_offset"]
-    [3, 5]
-    """
-    offsets, at = [], offset
-    for lp in logprobs:
-        offsets.append(at)
-        at += len(lp.token)
-    return {
-        "tokens": [lp.token for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
-        "text_offset": offsets,
     }

@@ -21,4 +21,5 @@ async def completions(
     body.check(gw.config.max_n)
     info = await gw.check_model(body.model)
     params = {"max_tokens_param": "max_tokens", "logprobs_param": "logprobs"}
+    params["prompt_logprobs_param"] = body.prompt_logprobs_param
     return await generate(gw, body, info, body.prompts(), False, params, request_spec(body, request))

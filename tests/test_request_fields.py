@@ -20,7 +20,8 @@ PAIRS = [(SamplingParams, params_pb2.SamplingParams), (SpecDecodeParams, params_
 # One value per field, none of them the default, each one the verifier accepts.
 SAMPLING = SamplingParams(
     temperature=0.5, top_p=0.9, top_k=7, seed=11, max_tokens=5, stop=("\n\n",), ignore_eos=True, logprobs=2,
-    stop_token_ids=(3, 4),
+    stop_token_ids=(3, 4), min_tokens=2, logit_bias={5: -1.5, 9: 100.0}, allowed_token_ids=(5, 6, 9),
+    presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.25, min_p=0.05, prompt_logprobs=1,
 )  # fmt: skip
 SPEC = SpecDecodeParams(
     proposer="ngram", num_speculative_tokens=3, max_tree_nodes=9, workload_tag="qa", corpus="docs", cache_scope="t1"
@@ -32,7 +33,9 @@ def test_each_sdk_dataclass_has_the_protos_fields_in_order_with_matching_default
     proto_fields = message.DESCRIPTOR.fields
     assert [f.name for f in dataclasses.fields(sdk)] == [f.name for f in proto_fields]
     for f, pf in zip(dataclasses.fields(sdk), proto_fields, strict=True):
-        if pf.is_repeated:
+        if pf.message_type is not None and pf.message_type.GetOptions().map_entry:
+            assert f.default_factory() == {}, f.name  # map: an empty dict
+        elif pf.is_repeated:
             assert f.default == (), f.name  # repeated: an empty tuple
         elif pf.has_presence:
             assert f.default is None, f.name  # proto3 optional: None leaves it unset (the server's default)
@@ -45,11 +48,14 @@ def test_to_proto_carries_every_field(sdk, message) -> None:
     params = SAMPLING if sdk is SamplingParams else SPEC
     msg = params.to_proto()
     for f in dataclasses.fields(sdk):
-        value = getattr(msg, f.name)
-        assert (tuple(value) if isinstance(getattr(params, f.name), tuple) else value) == pytest.approx(
-            getattr(params, f.name)
-        ), f.name
+        value, want = getattr(msg, f.name), getattr(params, f.name)
+        if isinstance(want, tuple):
+            value = tuple(value)
+        elif isinstance(want, dict):
+            value = dict(value)
+        assert value == pytest.approx(want), f.name
     assert not SamplingParams().to_proto().HasField("temperature")  # None: unset, not 0
+    assert not SamplingParams().to_proto().HasField("prompt_logprobs")
 
 
 def test_the_gateways_spec_decode_body_is_the_sdk_dataclass() -> None:
@@ -65,9 +71,11 @@ def test_the_gateways_spec_decode_body_is_the_sdk_dataclass() -> None:
 def test_the_gateway_sets_every_sampling_field() -> None:
     body = CompletionRequest.model_validate(
         {"model": "m", "prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11, "stop": ["\n\n"],
-         "ignore_eos": True, "stop_token_ids": [3, 4]}
+         "ignore_eos": True, "stop_token_ids": [3, 4], "min_tokens": 2, "logit_bias": {"5": -1.5, "9": 100},
+         "allowed_token_ids": [5, 6, 9], "presence_penalty": 0.5, "frequency_penalty": -0.25,
+         "repetition_penalty": 1.25, "min_p": 0.05, "max_tokens": 5, "logprobs": 2, "prompt_logprobs": 1}
     )  # fmt: skip
-    assert body.sampling(max_tokens=5, logprobs=2, choice=0) == SAMPLING
+    assert body.sampling_for(0) == SAMPLING
 
 
 def test_every_field_reaches_the_verifiers_validated_request() -> None:
@@ -77,11 +85,9 @@ def test_every_field_reaches_the_verifiers_validated_request() -> None:
     limits = RequestLimits(max_context=64, vocab_size=100, configured_proposers=("ngram",))
     req = build_request(msg, tokenizer=None, limits=limits)
     for f in dataclasses.fields(SamplingParams):
-        got = getattr(req, f.name)
-        want = getattr(SAMPLING, f.name)
-        assert (sorted(got) if isinstance(got, frozenset) else got) == pytest.approx(
-            list(want) if f.name == "stop_token_ids" else want
-        ), f.name
+        got, want = getattr(req, f.name), getattr(SAMPLING, f.name)
+        got = dict(got) if f.name == "logit_bias" else sorted(got) if isinstance(got, frozenset) else got
+        assert got == pytest.approx(list(want) if isinstance(want, tuple) and f.name != "stop" else want), f.name
     assert {f.name for f in dataclasses.fields(SpecParams)} == {f.name for f in dataclasses.fields(SpecDecodeParams)}
     assert {f.name: getattr(req.spec_params, f.name) for f in dataclasses.fields(SpecParams)} == dataclasses.asdict(
         SPEC

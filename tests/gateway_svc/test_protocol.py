@@ -36,12 +36,22 @@ def test_choices_get_consecutive_seeds_and_the_fields_openai_and_vllm_define():
         ignore_eos=True,
         logprobs=True,
         top_logprobs=3,
-        some_unknown_field=1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        min_tokens=4,
+        logit_bias={"17": -100, " 5": 2.5},
+        allowed_token_ids=[5, 17, 30],
+        prompt_logprobs=2,
     )
     req.check(max_n=8)
     p = req.sampling_for(2)
     assert (p.seed, p.temperature, p.top_p, p.top_k, p.stop, p.max_tokens) == (43, 0.5, 0.9, 7, ("END",), 12)
     assert (p.logprobs, p.stop_token_ids, p.ignore_eos) == (3, (2,), True)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -0.5, 1.3, 0.05)
+    assert (p.min_tokens, p.logit_bias, p.allowed_token_ids) == (4, {17: -100.0, 5: 2.5}, (5, 17, 30))
+    assert (p.prompt_logprobs, req.sampling_for(0).prompt_logprobs) == (None, 2)  # the first choice asks for them
     assert _chat().sampling_for(0).seed is None and _chat().sampling_for(0).max_tokens is None
     assert _chat(logprobs=True).sampling_for(0).logprobs == 0 and _chat().sampling_for(0).logprobs is None
 
@@ -56,10 +66,25 @@ def test_spec_decode_from_extra_body_reaches_the_sdk_params():
     ("kw", "param"),
     [
         ({"n": 9}, "n"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"presence_penalty": -1.0}, "presence_penalty"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"min_tokens": 3}, "min_tokens"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {"the": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+        ({"min_tokens": 5, "max_completion_tokens": 3}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),  # chat: at least 1 (a completion may only prefill)
+        ({"max_completion_tokens": 2**40}, "max_completion_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"request_id": "x" * 201}, "request_id"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
@@ -76,11 +101,15 @@ def test_fields_the_server_cannot_honour_are_refused_by_name(kw, param):
 
 def test_completion_prompts_and_their_refusals():
     assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
+    CompletionRequest(model="m", prompt="x", max_tokens=0, echo=True, best_of=1).check(max_n=8)  # prefill only
     for kw, param in (
         ({"prompt": []}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "x", "logprobs": 30}, "logprobs"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "best_of": 2}, "best_of"),
     ):
         with pytest.raises(RequestError) as err:
             CompletionRequest(model="m", **kw).check(max_n=8)
@@ -100,9 +129,11 @@ def test_text_parts_are_joined_and_other_parts_refused():
     assert err.value.param == "messages.0"
 
 
-def test_missing_messages_fail_validation():
+def test_missing_messages_and_unknown_fields_fail_validation():
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[])
+    with pytest.raises(ValidationError, match="extra_forbidden"):
+        _chat(some_unknown_field=1)
 
 
 @pytest.mark.parametrize(
@@ -128,6 +159,20 @@ def test_missing_messages_fail_validation():
             400,
             "invalid_request_error",
             "spec_decode.proposer",
+        ),
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.min_tokens: must be in [0, max_tokens = 3], got 5",
+            400,
+            "invalid_request_error",
+            "min_tokens",
+        ),
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.allowed_token_ids: token id 99999 outside the vocabulary [0, 49152)",
+            400,
+            "invalid_request_error",
+            "allowed_token_ids",
         ),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent requests", 429, "rate_limit_error", None),
         (  # too large for the KV budget even alone: retrying cannot help
