@@ -210,15 +210,25 @@ def second_token_counts(client, ids: list[int], spec, n: int, temperature: float
 
 def chi_square(samples, p) -> tuple[float, int]:
     """Pearson chi-square statistic and degrees of freedom of sampled token ids against
-    distribution ``p``: one cell per token expected >= 5 times, the rest pooled into one."""
+    distribution ``p``: one cell per token expected >= 5 times, the rest pooled into one (none where
+    the rest has no mass, e.g. after min-p: then any sample there is an infinite statistic)."""
     import torch
 
     counts = torch.bincount(samples, minlength=p.numel()).double()
     expected = p.double() * len(samples)
     big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    return float(((obs - exp) ** 2 / exp).sum()), int(big.sum())
+    rest_obs, rest_exp = counts[~big].sum(), expected[~big].sum()
+    if rest_exp == 0:
+        if rest_obs > 0:
+            return float("inf"), max(int(big.sum()) - 1, 1)
+        obs, exp, dof = counts[big], expected[big], int(big.sum()) - 1
+    else:
+        obs, exp, dof = (
+            torch.cat([counts[big], rest_obs[None]]),
+            torch.cat([expected[big], rest_exp[None]]),
+            int(big.sum()),
+        )
+    return float(((obs - exp) ** 2 / exp).sum()), dof
 
 
 def chi_square_critical(dof: int) -> float:
@@ -283,23 +293,28 @@ def forgets_the_residual(tree, probs, u):
     return path, min(int(np.searchsorted(cdf, u[0, 0] * cdf[-1], side="right")), len(cdf) - 1)
 
 
-def seeded_tree_walks(tree, context: list[int], logits, proposer: str, n: int):
+def seeded_tree_walks(tree, context: list[int], logits, proposer: str, n: int, output: int = 0, **controls):
     """The verifier's sampled acceptance (temperature 1) of one deterministic ``tree`` after ``context``
     for seeds 0..n-1, on the target's ``logits`` (rows: the root, then each node). Returns the
     target's probabilities per row, every seed's emitted tokens (``sample_accept``) and
     ``emitted(rule, seeds)`` for other rules. The engine's acceptance dispatch (``accept_batch``) is
-    checked equal to the walk, draw for draw, on the first 64 seeds."""
+    checked equal to the walk, draw for draw, on the first 64 seeds. ``controls``: the requests'
+    logits controls and min_p, applied as a decode step does (``logits_controls``), the last
+    ``output`` tokens of ``context`` being the request's output so far."""
     import torch
 
     from specmesh_server.tree import depths
     from verifier_svc.acceptance import acceptance_uniforms, sample_accept, walk_shape
     from verifier_svc.batch_accept import accept_batch, target_probs
+    from verifier_svc.logits_controls import process_logits
     from verifier_svc.requests import GenerationRequest, SpecParams
 
     depth = max(depths(tree.parents))
     spec = SpecParams(proposer, num_speculative_tokens=depth, max_tree_nodes=len(tree), workload_tag="", corpus="")
     sampled = dict(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, stop=(), ignore_eos=True, spec_params=spec)
-    reqs = [GenerationRequest(str(s), context, seed=s, **sampled) for s in range(64)]
+    prompt = context[: len(context) - output]
+    reqs = [GenerationRequest(str(s), prompt, seed=s, **sampled, **controls) for s in range(64)]
+    logits = process_logits(logits.clone(), reqs[:1], [context[len(prompt) :]], [tree], {2})
     probs = target_probs(logits, reqs[:1], [len(logits)]).double()  # the same for every seed
     u = acceptance_uniforms(torch.arange(n), torch.full((n,), len(context)), *walk_shape(tree)).numpy()
 

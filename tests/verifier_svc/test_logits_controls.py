@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from support import assert_greedy_equal, workload_prompts
+from support import assert_greedy_equal, greedy_prompt_ids
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -146,13 +146,23 @@ def test_a_batch_without_controls_is_returned_untouched() -> None:
 # --- the engine on the real model --------------------------------------------------------------
 
 pytest_slow = pytest.mark.slow
-CONTROLS = {
-    "repetition_penalty": dict(repetition_penalty=1.3),
-    "presence+frequency": dict(presence_penalty=1.0, frequency_penalty=0.5),
-    "logit_bias": dict(logit_bias=((13, 4.0), (30, -100.0))),
-    "min_tokens": dict(min_tokens=40),
-    "allowed_token_ids": dict(allowed_token_ids=frozenset(range(200, 30000))),
-}
+CONTROLS = [  # one per stream of an 8-stream batch (the last three without controls)
+    dict(repetition_penalty=1.3),
+    dict(presence_penalty=1.0, frequency_penalty=0.5),
+    dict(logit_bias=((13, 4.0), (30, -100.0))),
+    dict(min_tokens=14),
+    dict(allowed_token_ids=frozenset(range(200, 30000))),
+    {},
+    {},
+    {},
+]
+HF_KWARGS = [  # transformers generate()'s processors for the same controls, where it has them
+    dict(repetition_penalty=1.3),
+    None,
+    dict(sequence_bias={(13,): 4.0, (30,): -100.0}),
+    dict(min_new_tokens=14, eos_token_id=2),
+    None,
+]
 
 
 class _Collector:
@@ -169,20 +179,44 @@ class _Collector:
             self.done.set()
 
 
-def _run(eng, prompts: list[list[int]], n: int, speculate: bool, **controls) -> list[list[int]]:
+def _run(eng, prompts: list[list[int]], controls: list[dict], n: int, speculate: bool) -> list[list[int]]:
     from verifier_svc.local_proposer import LocalProposerSession
     from verifier_svc.proposer_client import ProposerLimits
     from verifier_svc.request_speculation import RequestSpeculation
 
     limits = ProposerLimits(vocab_size=eng.runner.vocab_size, max_nodes=16, max_depth=8)
     got = [_Collector() for _ in prompts]
-    for i, ids in enumerate(prompts):
+    for i, (ids, kw) in enumerate(zip(prompts, controls, strict=True)):
         spec = SpecParams("ngram", 0, 0, "", "") if speculate else NO_SPEC
-        req = GenerationRequest(f"r{i}", ids, 0.0, 1.0, 0, 1, n, (), False, spec, **controls)
+        req = GenerationRequest(f"r{i}", ids, 0.0, 1.0, 0, 1, n, (), False, spec, **kw)
         session = LocalProposerSession("ngram", ids, limits, eng.speculation.trees_arrived) if speculate else None
         eng.submit(req, got[i], RequestSpeculation.start(session))
     assert all(c.done.wait(300) for c in got)
     return [c.tokens for c in got]
+
+
+@pytest_slow
+def test_greedy_with_each_control_is_identical_with_ngram_speculation_on_and_off_at_1_and_8_streams(
+    lm, chat_ids, engine_factory
+):
+    """Eight concurrent greedy streams, each with its own control (three with none): with every
+    n-gram tree verified they equal the same streams decoded plain; each controlled prompt alone
+    with speculation equals them too; and where transformers has the processor, generate() with it
+    gives the same tokens."""
+    eng = engine_factory()
+    prompts = greedy_prompt_ids(chat_ids)[::2][:8]  # from five categories
+    n = 18
+    plain = _run(eng, prompts, CONTROLS, n, False)
+    spec = _run(eng, prompts, CONTROLS, n, True)
+    for ids, a, b in zip(prompts, plain, spec, strict=True):
+        assert_greedy_equal(lm, ids, b, a)
+    for i, kw in enumerate(CONTROLS[:5]):
+        alone = _run(eng, [prompts[i]], [kw], n, True)[0]
+        assert_greedy_equal(lm, prompts[i], alone, plain[i])
+        if HF_KWARGS[i] is not None:
+            assert_greedy_equal(lm, prompts[i], plain[i], _hf(lm, prompts[i], n, **HF_KWARGS[i]))
+    assert all(200 <= t < 30000 for t in spec[4])
+    assert len(spec[3]) >= 14 and 2 not in spec[3][:14]
 
 
 def _hf(lm, ids: list[int], n: int, **kw) -> list[int]:
@@ -192,30 +226,59 @@ def _hf(lm, ids: list[int], n: int, **kw) -> list[int]:
 
 
 @pytest_slow
-def test_greedy_with_each_control_is_identical_with_ngram_speculation_on_and_off_at_1_and_8_streams(
-    lm, chat_ids, engine_factory
+@pytest.mark.parametrize(
+    "controls", [dict(presence_penalty=1.5, frequency_penalty=0.5), dict(min_p=0.05)], ids=["presence", "min_p"]
+)
+def test_sampled_acceptance_with_controls_emits_plain_decodings_distribution_at_every_node_chi_square(
+    lm, chat_ids, controls
 ):
-    """Each control alone, greedy: 8 concurrent n-gram streams (every tree verified) equal 8 plain
-    ones, and the first prompt alone equals transformers generate() with the matching processor."""
-    eng = engine_factory()
-    prompts = [chat_ids(p) for p in workload_prompts(per_category=1, max_chars=700)][:8]
-    n = 24
-    hf_kwargs = {
-        "repetition_penalty": dict(repetition_penalty=1.3),
-        "logit_bias": dict(sequence_bias={(13,): 4.0, (30,): -100.0}),
-        "min_tokens": dict(min_new_tokens=40, eos_token_id=2),
-    }
-    for name, controls in CONTROLS.items():
-        m = 44 if name == "min_tokens" else n
-        plain = _run(eng, prompts, m, False, **controls)
-        spec = _run(eng, prompts, m, True, **controls)
-        alone = _run(eng, prompts[:1], m, True, **controls)[0]
-        for ids, a, b in zip(prompts, plain, spec, strict=True):
-            assert_greedy_equal(lm, ids, b, a)
-        assert_greedy_equal(lm, prompts[0], alone, plain[0])
-        if name in hf_kwargs:
-            assert_greedy_equal(lm, prompts[0], plain[0], _hf(lm, prompts[0], m, **hf_kwargs[name]))
-        if name == "allowed_token_ids":
-            assert all(200 <= t < 30000 for out in spec for t in out)
-        if name == "min_tokens":
-            assert all(len(out) >= 40 and 2 not in out[:40] for out in spec)
+    """A branching tree (the two likeliest tokens at the root and after each of them) after a prompt
+    and a two-token output, walked for 20,000 seeds with the controls on: each row's distribution
+    equals the one computed from scratch after output + the node's path (vLLM's formula, or
+    transformers' MinPLogitsWarper), and the token emitted after each node, given the walk accepted
+    that node's path, follows it (chi-square, p = 0.001, nodes reached by ≥ 1,000 walks). Negative
+    controls: rules that accept drafts too often or forget the residual fail on 2,000 seeds."""
+    from collections import Counter
+
+    from support import assert_chi_square, assert_wrong_rules_fail, seeded_tree_walks
+
+    prompt = chat_ids("Give me a random number between 1 and 10.")
+
+    def after(paths: list[list[int]]) -> torch.Tensor:  # the model's logits after prompt + each path
+        with torch.inference_mode():
+            return torch.stack([lm.model(torch.tensor([prompt + p])).logits[0, -1].float() for p in paths])
+
+    first = int(after([[]])[0].argmax())
+    output = [first, int(after([[first]])[0].argmax())]
+    top = after([output])[0].topk(2).indices.tolist()
+    kids = [after([[*output, t]])[0].topk(2).indices.tolist() for t in top]
+    tree = TokenTree([top[0], kids[0][0], kids[0][1], top[1], kids[1][0], kids[1][1]], [-1, 0, 0, -1, 3, 3])
+    paths = [
+        [],
+        [top[0]],
+        [top[0], kids[0][0]],
+        [top[0], kids[0][1]],
+        [top[1]],
+        [top[1], kids[1][0]],
+        [top[1], kids[1][1]],
+    ]
+    logits = after([output + p for p in paths])  # rows: the root, then each node
+    probs, out, emitted = seeded_tree_walks(tree, prompt + output, logits, "ngram", 20_000, output=2, **controls)
+
+    def reference(row: torch.Tensor, seen: list[int]) -> torch.Tensor:
+        counts = torch.bincount(torch.tensor(seen), minlength=row.shape[0]).float()
+        x = row - controls.get("presence_penalty", 0) * (counts > 0) - controls.get("frequency_penalty", 0) * counts
+        if "min_p" in controls:
+            x = MinPLogitsWarper(controls["min_p"])(torch.zeros(1, 1, dtype=torch.long), x[None])[0]
+        return torch.softmax(x, -1).double()
+
+    tested = Counter()
+    for index, path in enumerate(paths):
+        want = reference(logits[index], output + path)
+        torch.testing.assert_close(probs[index], want, rtol=0, atol=1e-6)
+        sample = torch.tensor([e[len(path)] for e in out if len(e) > len(path) and e[: len(path)] == path])
+        if len(sample) >= 1_000:
+            assert_chi_square(sample, want, f"token after {path} ({len(sample)} walks)")
+            tested[len(path)] += 1
+    assert set(tested) >= {0, 1}, dict(tested)
+    assert_wrong_rules_fail(probs, out, emitted)

@@ -220,6 +220,46 @@ def test_greedy_with_a_warm_suffix_cache_is_token_identical_with_eight_concurren
     assert cluster.a.global_trees() > trees
 
 
+# Each stream its own logits control (three without), as the SDK sends them.
+CONTROLLED = [
+    dict(repetition_penalty=1.3),
+    dict(presence_penalty=1.0, frequency_penalty=0.5),
+    dict(logit_bias={13: 4.0, 30: -100.0}),
+    dict(min_tokens=12),
+    dict(allowed_token_ids=tuple(range(200, 30000))),
+    {},
+    {},
+    {},
+]
+
+
+def test_greedy_with_logits_controls_is_token_identical_through_suffix_trees_at_eight_streams_and_one(
+    cluster, prompts, lm
+):
+    """Eight concurrent greedy streams, each with its own control, decoded plain, then twice through
+    the suffix proposer in a fresh scope (the first pass fills the cache with the controlled
+    outputs, the second is proposed from them), then each controlled prompt alone: all identical."""
+    scope = f"controls-{RUN}"
+
+    def run(ids: list[int], kw: dict, proposer: str):
+        with Client(cluster.verifier.address) as client:
+            params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, **kw)
+            return client.complete(ids, params, SpecDecodeParams(proposer, cache_scope=scope))
+
+    batch = prompts[:8]
+    with ThreadPoolExecutor(8) as pool:
+        plain = list(pool.map(lambda a: run(a[0], a[1], "none"), zip(batch, CONTROLLED, strict=True)))
+        for _ in range(2):
+            outs = list(pool.map(lambda a: run(a[0], a[1], "suffix"), zip(batch, CONTROLLED, strict=True)))
+            for ids, got, want in zip(batch, outs, plain, strict=True):
+                assert_greedy_equal(lm, ids, got.token_ids, want.token_ids)
+            cluster.a.settled()
+    assert sum(accepted(out, "suffix") for out in outs) > 0, "the controlled outputs were never proposed from"
+    for ids, kw, want in zip(batch[:5], CONTROLLED[:5], plain[:5], strict=True):
+        assert_greedy_equal(lm, ids, run(ids, kw, "suffix").token_ids, want.token_ids)
+    assert all(200 <= t < 30000 for t in outs[4].token_ids)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling: every emitted token distributed as the target, on trees from past outputs.
 
