@@ -31,7 +31,22 @@ def _build(tokenizer, prompt="Hello", sampling=None, spec=None, chat=False):
         ([{"role": "user", "content": ""}], None, None, "input.chat"),
         ([1, 2, 49152], None, None, "input.token_ids"),
         ("word " * 100, None, None, "input.text"),
-        ("hi", SamplingParams(max_tokens=0), None, "sampling.max_tokens"),
+        ("hi", SamplingParams(max_tokens=-1), None, "sampling.max_tokens"),
+        ("hi", SamplingParams(max_tokens=4, min_tokens=5), None, "sampling.min_tokens"),
+        ("hi", SamplingParams(min_tokens=-1), None, "sampling.min_tokens"),
+        ("hi", SamplingParams(logit_bias={49152: 1.0}), None, "sampling.logit_bias"),
+        ("hi", SamplingParams(logit_bias={5: 101.0}), None, "sampling.logit_bias"),
+        ("hi", SamplingParams(logit_bias={5: float("nan")}), None, "sampling.logit_bias"),
+        ("hi", SamplingParams(logit_bias=dict.fromkeys(range(301), 1.0)), None, "sampling.logit_bias"),
+        ("hi", SamplingParams(allowed_token_ids=(3, -1)), None, "sampling.allowed_token_ids"),
+        ("hi", SamplingParams(presence_penalty=2.5), None, "sampling.presence_penalty"),
+        ("hi", SamplingParams(frequency_penalty=-2.5), None, "sampling.frequency_penalty"),
+        ("hi", SamplingParams(frequency_penalty=float("inf")), None, "sampling.frequency_penalty"),
+        ("hi", SamplingParams(repetition_penalty=0.0), None, "sampling.repetition_penalty"),
+        ("hi", SamplingParams(repetition_penalty=2.1), None, "sampling.repetition_penalty"),
+        ("hi", SamplingParams(min_p=1.5), None, "sampling.min_p"),
+        ("hi", SamplingParams(min_p=-0.1), None, "sampling.min_p"),
+        ("hi", SamplingParams(prompt_logprobs=21), None, "sampling.prompt_logprobs"),
         ("hi", SamplingParams(max_tokens=64), None, "sampling.max_tokens"),
         ("hi", SamplingParams(logprobs=21), None, "sampling.logprobs"),
         ("hi", SamplingParams(logprobs=-1), None, "sampling.logprobs"),
@@ -89,6 +104,25 @@ def test_prompt_plus_max_tokens_over_the_context_names_both_numbers(tokenizer):
 def test_logprobs_and_stop_token_ids_reach_the_request(tokenizer):
     req = _build(tokenizer, sampling=SamplingParams(logprobs=0, stop_token_ids=(2, 7)))
     assert req.logprobs == 0 and req.stop_token_ids == frozenset({2, 7})
+
+
+def test_logits_controls_reach_the_request_and_only_they_turn_processing_on(tokenizer):
+    plain = _build(tokenizer, sampling=SamplingParams(max_tokens=0, min_p=0.2, prompt_logprobs=3))
+    assert (plain.max_tokens, plain.prompt_logprobs, plain.repetition_penalty) == (0, 3, 1.0)
+    assert plain.min_p == pytest.approx(0.2)
+    assert not plain.has_controls  # min_p acts in the sampler, prompt logprobs in prefill
+    req = _build(
+        tokenizer,
+        sampling=SamplingParams(
+            max_tokens=8, min_tokens=2, logit_bias={9: -1.5, 4: 2.0}, allowed_token_ids=(4, 9, 11),
+            presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.1,
+        ),
+    )  # fmt: skip
+    assert req.has_controls and req.logit_bias == ((4, 2.0), (9, -1.5)) and req.allowed_token_ids == {4, 9, 11}
+    assert (req.min_tokens, req.presence_penalty, req.frequency_penalty) == (2, 0.5, -0.25)
+    assert req.repetition_penalty == pytest.approx(1.1)
+    for one in (dict(min_tokens=1), dict(logit_bias={1: 0.5}), dict(repetition_penalty=0.9)):
+        assert _build(tokenizer, sampling=SamplingParams(max_tokens=4, **one)).has_controls, one
 
 
 def test_temperatures_below_the_greedy_epsilon_are_greedy():
