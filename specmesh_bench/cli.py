@@ -155,6 +155,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--sampling", default="greedy", help="comma list of greedy, sampled")
     p.add_argument("--temperature", type=float, default=1.0, help="for sampled runs")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="every request's repetition penalty (vLLM's; an HTTP target gets it as extra_body), the hf-* "
+        "modes' generate() too; default: none",
+    )
     p.add_argument("--pld-sweep", default="3,5,10", help="prompt_lookup_num_tokens values for hf-pld (best is kept)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the verifier and the hf-* modes")
     p.add_argument(
@@ -320,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         samplings=tuple(_csv(a.sampling)),
         max_tokens=a.max_tokens,
         temperature=a.temperature,
+        repetition_penalty=a.repetition_penalty,
         pld_sweep=tuple(int(k) for k in _csv(a.pld_sweep)),
         corpus=a.corpus,
         mix=a.mix,

@@ -163,11 +163,16 @@ class HttpTarget:
         kw: dict[str, Any] = {}
         if sampling.seed is not None:
             kw["seed"] = sampling.seed
+        extra: dict[str, Any] = {}
+        if sampling.repetition_penalty is not None:  # vLLM's extra field, as SpecMesh's gateway takes it
+            extra["repetition_penalty"] = sampling.repetition_penalty
         if self.specmesh:
             spec = spec_for(mode, corpus, prompt.category if tag else "", scope)
-            kw["extra_body"] = {"spec_decode": asdict(spec)}
+            extra["spec_decode"] = asdict(spec)
         elif mode != "plain":
             raise ValueError(f"mode {mode} needs a SpecMesh server; {self.owned_by or 'this server'} serves only plain")
+        if extra:
+            kw["extra_body"] = extra
         t0 = time.perf_counter()
         tally = SseTally(t0)
         stream = self.client.completions.create(

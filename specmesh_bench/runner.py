@@ -82,6 +82,7 @@ class RunConfig:
     mix: bool = False  # concurrency > 1: waves mix every category (a realistic stream) instead of one each
     tag: bool = False  # each request carries its category as SpecDecodeParams.workload_tag
     load: str = "waves"  # concurrency > 1: "waves" of c requests, or "continuous" (c streams kept busy)
+    repetition_penalty: float | None = None  # every request's (SamplingParams.repetition_penalty), hf-* modes too
 
 
 def mode_order(modes: tuple[str, ...], turn: int) -> list[str]:
@@ -270,10 +271,14 @@ class HfReference:
         self.lm = load_model(model_path, "cpu" if not torch.cuda.is_available() else None)
         self._torch = torch
 
-    def generate(self, prompt: BenchPrompt, max_tokens: int, pld_k: int = 0) -> dict[str, Any]:
+    def generate(
+        self, prompt: BenchPrompt, max_tokens: int, pld_k: int = 0, repetition_penalty: float | None = None
+    ) -> dict[str, Any]:
         torch = self._torch
         x = torch.tensor([list(prompt.token_ids)], device=self.lm.device)
-        kw = {"prompt_lookup_num_tokens": pld_k} if pld_k else {}
+        kw: dict[str, Any] = {"prompt_lookup_num_tokens": pld_k} if pld_k else {}
+        if repetition_penalty is not None:
+            kw["repetition_penalty"] = repetition_penalty
         pad = self.lm.tokenizer.pad_token_id
         pad = pad if pad is not None else self.lm.tokenizer.eos_token_id
         with torch.inference_mode():
@@ -549,9 +554,12 @@ class BenchRunner:
         return modes
 
     def _sampling(self, sampling: str, seed: int) -> SamplingParams:
+        cfg = self.config
         if sampling == "greedy":
-            return SamplingParams(temperature=0.0, max_tokens=self.config.max_tokens)
-        return SamplingParams(temperature=self.config.temperature, seed=seed, max_tokens=self.config.max_tokens)
+            return SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, repetition_penalty=cfg.repetition_penalty)
+        return SamplingParams(
+            temperature=cfg.temperature, seed=seed, max_tokens=cfg.max_tokens, repetition_penalty=cfg.repetition_penalty
+        )
 
     def run(self, prompts: list[BenchPrompt]) -> Iterator[dict]:
         """Yields records as requests complete (one per request)."""
@@ -570,7 +578,7 @@ class BenchRunner:
             if mode in HF_MODES:
                 assert self.hf is not None and c == 1
                 for k in self.config.pld_sweep if mode == "hf-pld" else (0,):
-                    out = self.hf.generate(wave[0], self.config.max_tokens, k)
+                    out = self.hf.generate(wave[0], self.config.max_tokens, k, self.config.repetition_penalty)
                     records.append(_record(wave[0], mode, sampling, c, w, pld_k=k, **out))
                 continue
             if mode == "oracle" and self.set_oracle is not None:

@@ -326,6 +326,19 @@ def test_a_specmesh_gateway_gets_each_modes_speculation_as_extra_body(stub_serve
     target.request(PROMPT, "plain", SamplingParams(temperature=0.7, seed=5, max_tokens=4), "")
     assert stub_server["bodies"][-1]["spec_decode"]["proposer"] == "none"
     assert stub_server["bodies"][-1]["seed"] == 5
+    assert "repetition_penalty" not in stub_server["bodies"][-1]
+    target.request(PROMPT, "ngram", SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.2), "")
+    assert stub_server["bodies"][-1]["repetition_penalty"] == pytest.approx(1.2)
+
+
+def test_the_repetition_penalty_flag_reaches_every_requests_sampling():
+    a = parse_args(["--modes", "plain,ngram", "--repetition-penalty", "1.2"])
+    assert a.repetition_penalty == 1.2 and parse_args(["--modes", "plain"]).repetition_penalty is None
+    runner = BenchRunner.__new__(BenchRunner)
+    runner.config = RunConfig(modes=("plain",), max_tokens=9, repetition_penalty=1.2)
+    for sampling in ("greedy", "sampled"):
+        params = runner._sampling(sampling, seed=3)
+        assert (params.repetition_penalty, params.max_tokens) == (1.2, 9)
 
 
 def test_another_server_gets_no_extra_body_and_only_plain(stub_server):
