@@ -133,7 +133,7 @@ def process_logits(
             in_prompt[j, r.prompt_token_set.to(dev)] = True
         if r.allowed_token_ids:
             banned[j] = True
-            banned[j, list(r.allowed_token_ids)] = False
+            banned[j, r.allowed_tensor.to(dev)] = False
         if r.logit_bias:
             ids, values = zip(*r.logit_bias, strict=True)
             bias[j, list(ids)] = torch.tensor(values, device=dev)

@@ -98,6 +98,11 @@ class GenerationRequest:
         """The prompt's distinct token ids (the repetition penalty's prompt tokens), made once."""
         return torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.long)
 
+    @functools.cached_property
+    def allowed_tensor(self) -> torch.Tensor:
+        """``allowed_token_ids`` as a tensor, made once."""
+        return torch.tensor(sorted(self.allowed_token_ids), dtype=torch.long)
+
 
 @dataclass(frozen=True)
 class RequestLimits:
