@@ -377,3 +377,120 @@ def test_async_sdk_closing_a_stream_cancels_the_rpc(verifier):
             assert (await c.stats()).server.running_requests == 0
 
     asyncio.run(run())
+
+
+# The sampling controls and prompt logprobs, each streaming and not, through the official client's
+# extra_body where it has no parameter. Each compares the gateway with the SDK over gRPC on the same
+# SamplingParams (the gateway adds nothing and drops nothing), and shows the control's own effect.
+PROMPT = "List the colours of the rainbow: red, orange, yellow,"
+
+
+def _text(oai, model, stream: bool, **kw) -> str:
+    """The completion of PROMPT, greedy unless ``kw`` says otherwise."""
+    kw = {"temperature": 0, **kw}
+    if not stream:
+        return oai.completions.create(model=model, prompt=PROMPT, **kw).choices[0].text
+    chunks = oai.completions.create(model=model, prompt=PROMPT, stream=True, **kw)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    ("fields", "extra"),
+    [
+        ({"presence_penalty": 1.5}, {}),
+        ({"frequency_penalty": 1.0}, {}),
+        ({}, {"repetition_penalty": 1.5}),
+        ({"temperature": 0.8, "seed": 3}, {"min_p": 0.2}),
+    ],
+    ids=["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"],
+)
+def test_each_sampling_control_through_the_gateway_equals_the_sdks(oai, model, grpc_client, fields, extra, stream):
+    none = SpecDecodeParams(proposer="none")  # a seeded sample repeats with speculation fixed
+    params = SamplingParams(**{"temperature": 0.0, **fields, **extra}, max_tokens=12)
+    want = grpc_client.complete(PROMPT, params, none).text
+    got = _text(oai, model, stream, max_tokens=12, **fields, extra_body={**extra, "spec_decode": {"proposer": "none"}})
+    assert got == want
+    if "min_p" not in extra:  # a penalty changes greedy output on a list whose commas repeat
+        assert want != grpc_client.complete(PROMPT, SamplingParams(temperature=0.0, max_tokens=12), none).text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logit_bias_moves_greedys_first_token_and_allowed_token_ids_restrict_every_token(
+    oai, model, grpc_client, lm, stream
+):
+    plain = grpc_client.complete(PROMPT, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0))
+    first = plain.token_ids[0]
+    biased = _text(oai, model, stream, max_tokens=1, logit_bias={str(first): -100})
+    assert biased and biased != plain.text
+    allowed = lm.tokenizer.encode(" blue green", add_special_tokens=False)
+    kw = {"max_tokens": 8, "logprobs": 0, "extra_body": {"allowed_token_ids": allowed, "ignore_eos": True}}
+    if stream:
+        chunks = list(oai.completions.create(model=model, prompt=PROMPT, temperature=0, stream=True, **kw))
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    else:
+        tokens = oai.completions.create(model=model, prompt=PROMPT, temperature=0, **kw).choices[0].logprobs.tokens
+    assert len(tokens) == 8 and set(tokens) <= {lm.tokenizer.decode([t]) for t in allowed}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_min_tokens_keeps_generating_past_the_end_of_sequence(oai, model, stream):
+    kw = {"model": model, "messages": [{"role": "user", "content": "Reply with the single word OK."}], "temperature": 0}
+    plain = oai.chat.completions.create(max_tokens=64, **kw)
+    ended = plain.usage.completion_tokens
+    assert plain.choices[0].finish_reason == "stop" and ended < 54  # greedy ends with EOS (no stop strings)
+    kw |= {"max_tokens": ended + 10, "extra_body": {"min_tokens": ended + 10}}
+    if stream:
+        chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        assert chunks[-1].usage.completion_tokens == ended + 10
+    else:
+        assert oai.chat.completions.create(**kw).usage.completion_tokens == ended + 10
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_scores_a_token_id_prompt_with_max_tokens_0_as_transformers_does(oai, model, lm, stream):
+    import torch
+
+    ids = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
+    kw = {"model": model, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    if stream:
+        chunks = [c.choices[0] for c in oai.completions.create(stream=True, **kw) if c.choices]
+        text = "".join(c.text for c in chunks)
+        token_logprobs = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+        assert chunks[-1].finish_reason == "length"
+    else:
+        choice = oai.completions.create(**kw).choices[0]
+        text, token_logprobs = choice.text, choice.logprobs.token_logprobs
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.top_logprobs) == len(ids)
+        assert choice.logprobs.top_logprobs[0] is None and all(len(t) >= 1 for t in choice.logprobs.top_logprobs[1:])
+    assert text == lm.tokenizer.decode(ids)
+    assert token_logprobs[0] is None and len(token_logprobs) == len(ids)
+    with torch.inference_mode():
+        want = torch.log_softmax(lm.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    diff = max(abs(lp - float(want[q, ids[q + 1]])) for q, lp in enumerate(token_logprobs[1:]))
+    assert diff < 1e-4, diff
+
+
+def test_prompt_logprobs_in_vllms_shape_on_both_endpoints_and_refused_when_streaming(gateway, oai, model):
+    out = oai.completions.create(
+        model=model, prompt="Hello there, world", max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    plp = out.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == out.usage.prompt_tokens
+    for entry in plp[1:]:
+        ranks = sorted(v["rank"] for v in entry.values())
+        assert (
+            2 <= len(entry) <= 3
+            and ranks[:2] == [1, 2]
+            and all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())
+        )
+    chat = oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    assert (
+        chat.model_extra["prompt_logprobs"][0] is None
+        and len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    )
+    body = {"model": model, "prompt": "Hello", "stream": True, "prompt_logprobs": 1}
+    resp = httpx.post(f"{gateway.url}/completions", json=body, timeout=60)
+    assert resp.status_code == 400 and _error(resp)["param"] == "prompt_logprobs"
