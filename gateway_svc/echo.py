@@ -58,7 +58,10 @@ async def prompt_views(
     try:
         return list(await asyncio.gather(*(view(p, f) for p, f in zip(prompts, firsts, strict=True))))
     except grpc.RpcError as exc:
-        raise from_grpc(exc, **params) from None
+        err = from_grpc(exc, **params)
+        if err.param == "tokens":  # Detokenize's field: the prompt's token ids
+            err.param, err.message = "prompt", "prompt" + err.message.removeprefix("tokens")
+        raise err from None
 
 
 async def _echo_logprobs(client: AsyncClient, logprobs: PromptLogprobs | None, n: int) -> dict:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from gateway_svc import sampling_checks as checks
 from gateway_svc.errors import RequestError
+from gateway_svc.messages import Message
 from specmesh.params import SamplingParams, SpecDecodeParams
 
 __all__ = ["NO_EFFECT", "REFUSED", "ChatCompletionRequest", "CompletionRequest", "Message", "RequestError"]
@@ -285,43 +286,6 @@ class _Generation(_Body):
 
     def spec(self) -> SpecDecodeParams:
         return SpecDecodeParams(**self.spec_decode.model_dump()) if self.spec_decode else SpecDecodeParams()
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # a part's other keys belong to its type (non-text: refused)
-    type: str
-    text: str | None = None
-
-
-# A message's fields beyond role and content (OpenAI's and vLLM's): a conversation replayed from
-# responses carries them empty; set, the chat template would not see them, so they are refused.
-_MESSAGE_EXTRAS = ("name", "refusal", "tool_calls", "tool_call_id", "function_call", "audio", "annotations",
-                   "reasoning", "reasoning_content")  # fmt: skip
-
-
-class Message(_Body):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    function_call: dict[str, Any] | None = None
-    audio: dict[str, Any] | None = None
-    annotations: list[dict[str, Any]] | None = None
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-
-    def text(self, index: int) -> str:
-        for name in _MESSAGE_EXTRAS:
-            if getattr(self, name) not in (None, "", []):
-                param = f"messages.{index}.{name}"
-                raise RequestError(f"{param} is not supported: the chat template sees role and content only", param)
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        if bad := [p.type for p in self.content if p.type != "text"]:
-            raise RequestError(f"content part of type {bad[0]!r} is not supported (text only)", f"messages.{index}")
-        return "".join(p.text or "" for p in self.content)
 
 
 class ChatCompletionRequest(_Generation):
