@@ -235,7 +235,7 @@ def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: Req
     if kind == "text":
         if not msg.text:
             raise InvalidRequest("input.text", "empty prompt")
-        _check_size("input.text", len(msg.text.encode("utf-8")), limits)
+        check_size("input.text", len(msg.text.encode("utf-8")), limits)
         ids = tokenizer.encode(msg.text, add_special_tokens=True)
     elif kind == "token_ids":
         ids = list(msg.token_ids.ids)
@@ -252,7 +252,7 @@ def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: Req
             raise InvalidRequest("input.chat", "empty prompt: no message content")
         if bad_roles := {m["role"] for m in messages} - {"system", "user", "assistant"}:
             raise InvalidRequest("input.chat", f"unknown role {sorted(bad_roles)[0]!r}")
-        _check_size("input.chat", sum(len(m["content"].encode("utf-8")) for m in messages), limits)
+        check_size("input.chat", sum(len(m["content"].encode("utf-8")) for m in messages), limits)
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         except Exception as exc:  # template errors are the request's fault (e.g. role order)
@@ -267,7 +267,8 @@ def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: Req
     return ids
 
 
-def _check_size(field: str, n_bytes: int, limits: RequestLimits) -> None:
+def check_size(field: str, n_bytes: int, limits: RequestLimits) -> None:
+    """Text of ``n_bytes`` UTF-8 bytes that no tokenization fits in the context: refused untokenized."""
     if limits.max_prompt_bytes is not None and n_bytes > limits.max_prompt_bytes:
         raise InvalidRequest(
             field,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from specmesh.v1 import generation_pb2
-from verifier_svc.requests import InvalidRequest, RequestLimits
+from verifier_svc.requests import InvalidRequest, RequestLimits, check_size
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 
@@ -31,7 +31,7 @@ def tokenize(
     if kind == "text":
         if not msg.text:
             raise InvalidRequest("input.text", "empty text")
-        _check_size("input.text", len(msg.text.encode("utf-8")), limits)
+        check_size("input.text", len(msg.text.encode("utf-8")), limits)
         ids = list(tokenizer.encode(msg.text, add_special_tokens=special))
     else:
         generation_prompt = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
@@ -58,7 +58,7 @@ def chat_ids(
         raise InvalidRequest("input.chat", "no messages")
     if bad_roles := {m["role"] for m in messages} - CHAT_ROLES:
         raise InvalidRequest("input.chat", f"unknown role {sorted(bad_roles)[0]!r}")
-    _check_size("input.chat", sum(len(m["content"].encode("utf-8")) for m in messages), limits)
+    check_size("input.chat", sum(len(m["content"].encode("utf-8")) for m in messages), limits)
     try:
         if add_special_tokens:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -82,12 +82,3 @@ def detokenize(
     if (bad := next((t for t in ids if not 0 <= t < limits.vocab_size), None)) is not None:
         raise InvalidRequest("tokens", f"token id {bad} outside the vocabulary [0, {limits.vocab_size})")
     return generation_pb2.DetokenizeResponse(text=tokenizer.decode(ids))
-
-
-def _check_size(field: str, n_bytes: int, limits: RequestLimits) -> None:
-    if limits.max_prompt_bytes is not None and n_bytes > limits.max_prompt_bytes:
-        raise InvalidRequest(
-            field,
-            f"text of {n_bytes} bytes is longer than any prompt that fits the model's context of "
-            f"{limits.max_context} tokens (at most {limits.max_prompt_bytes} bytes); refused before tokenizing",
-        )

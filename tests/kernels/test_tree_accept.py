@@ -192,3 +192,36 @@ def test_first_emitted_token_converges_to_the_target(stochastic):
 def test_first_emitted_token_converges_like_one_over_sqrt_n_on_the_gpu(stochastic):
     tvs = [first_token_tv(n, stochastic, "cuda")[0] for n in (1_000, 100_000)]
     assert tvs[1] < 0.01 and tvs[0] / tvs[1] > 4
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_the_kernel_walks_rows_processed_by_logits_controls_as_the_host_walk_does():
+    """Requests with penalties, biases, min_tokens and min_p beside one without: the decode step's
+    processed logits (``logits_controls``) walked on the device equal the host walk, greedy and sampled."""
+    import verifier_svc.batch_accept as batch_accept
+    from verifier_svc.logits_controls import process_logits
+
+    n_req = 6
+    trees, logits = random_batch(77, n_req, 10, vocab=30, stochastic=True)
+    plain = SpecParams("none", 0, 0, "", "")
+    controls = [
+        dict(repetition_penalty=1.5, min_p=0.1),
+        dict(presence_penalty=1.0, frequency_penalty=0.5),
+        dict(logit_bias=((3, 2.0), (7, -5.0)), min_tokens=4),
+        dict(allowed_token_ids=frozenset(range(5, 25)), min_p=0.05),
+        dict(repetition_penalty=0.8),
+        {},
+    ]
+    temperature = [0.0, 0.9, 1.0, 0.0, 1.2, 0.8]
+    reqs = [
+        GenerationRequest(str(b), [1, 2, 3], t, 1.0, 0, random.Random(b).getrandbits(63), 8, (), False, plain, **kw)
+        for b, (t, kw) in enumerate(zip(temperature, controls, strict=True))
+    ]
+    outputs = [[4, 5, 5][: b % 4] for b in range(n_req)]
+    counts = [len(t) + 1 for t in trees]
+    processed = process_logits(logits.clone(), reqs, outputs, trees, {2})
+    context = [3 + len(o) for o in outputs]
+    on = batch_accept.accept_batch(reqs, context, trees, processed, counts, device_accept=True)
+    off = batch_accept.accept_batch(reqs, context, trees, processed, counts, device_accept=False)
+    assert on == off
+    assert not torch.equal(processed, logits)
