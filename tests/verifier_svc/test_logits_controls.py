@@ -138,6 +138,52 @@ def test_every_tree_rows_controls_are_plain_decodings_had_its_path_been_generate
     assert torch.equal(got[len(trees[0]) + 1 : len(trees[0]) + 6], logits[len(trees[0]) + 1 : len(trees[0]) + 6])
 
 
+def _dense_reference(logits, req: GenerationRequest, seen: list[int]) -> torch.Tensor:
+    """One row, the module docstring's six steps written out densely over the vocabulary."""
+    x = logits.clone()
+    if req.allowed_token_ids:
+        x[[t for t in range(V) if t not in req.allowed_token_ids]] = float("-inf")
+    if len(seen) < req.min_tokens:
+        x[sorted(set(req.stop_token_ids) | (set() if req.ignore_eos else EOS))] = float("-inf")
+    for t, b in req.logit_bias:
+        x[t] += b
+    counts = torch.bincount(torch.tensor(seen, dtype=torch.long), minlength=V).float()
+    hit = counts > 0
+    if req.repetition_penalty != 1.0:
+        hit[req.prompt_ids] = True
+    p = req.repetition_penalty
+    x = torch.where(hit, torch.where(x > 0, x / p, x * p), x)
+    return x - req.frequency_penalty * counts - req.presence_penalty * (counts > 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches_of_trees_equal_the_dense_formulas_row_by_row(seed: int) -> None:
+    """Random requests (every control, some without), outputs, prompts and trees whose tokens repeat
+    each other's: each processed row equals the dense formulas after output + the row's path."""
+    rng = random.Random(seed)
+    reqs, outputs, trees = [], [], []
+    for i in range(5):
+        kw = dict(
+            repetition_penalty=rng.choice([1.0, 0.7, 1.6]), presence_penalty=rng.choice([0.0, 1.2, -0.5]),
+            frequency_penalty=rng.choice([0.0, 0.4]), min_tokens=rng.choice([0, 3, 9]),
+            logit_bias=tuple((t, rng.uniform(-3, 3)) for t in sorted(rng.sample(range(V), 3))) if i % 2 else (),
+            allowed_token_ids=frozenset(rng.sample(range(V), 20)) if i == 3 else frozenset(),
+            stop_token_ids=frozenset({7}) if i % 3 == 0 else frozenset(), ignore_eos=i == 4,
+        )  # fmt: skip
+        reqs.append(_req([rng.randrange(12) for _ in range(rng.randrange(1, 9))], **kw))
+        outputs.append([rng.randrange(12) for _ in range(rng.randrange(0, 7))])
+        n = rng.randrange(0, 10)
+        trees.append(TokenTree([rng.randrange(12) for _ in range(n)], [rng.randrange(-1, j) for j in range(n)]))
+    logits = torch.randn(sum(len(t) + 1 for t in trees), V, generator=torch.Generator().manual_seed(seed))
+    got = process_logits(logits.clone(), reqs, outputs, trees, EOS)
+    row = 0
+    for req, output, tree in zip(reqs, outputs, trees, strict=True):
+        for node in range(-1, len(tree)):
+            want = _dense_reference(logits[row], req, output + (_path(tree, node) if node >= 0 else []))
+            torch.testing.assert_close(got[row], want, rtol=0, atol=1e-5)
+            row += 1
+
+
 def test_a_batch_without_controls_is_returned_untouched() -> None:
     logits = torch.randn(2, V)
     assert process_logits(logits, [_req(), _req()], [[1], [2]], [TokenTree([], [])] * 2, EOS) is logits
