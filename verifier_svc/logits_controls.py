@@ -22,8 +22,9 @@ logprobs) reads the processed rows, so acceptance stays exact for the processed 
 Only the (row, token) pairs a control touches are read and written (the tokens a row has seen, its
 biased and its stop tokens; a dense pass only for the rows of a request with ``allowed_token_ids``):
 8 requests with a repetition penalty and 8-node trees (72 rows, a 49k vocabulary, 300-token prompts,
-128-token outputs) take 5 ms a step on 2 Xeon cores, where dense [rows, vocab] arithmetic took 53-68 ms. No Python loop per row or per node (one per request, for its own
-sets); requests without controls are skipped, and a batch without any is returned untouched.
+128-token outputs) take 5 ms a step on 2 Xeon cores, where dense [rows, vocab] arithmetic took
+53-68 ms. No Python loop per row or per node (one per request, for its own sets); requests without
+controls are skipped, and a batch without any is returned untouched.
 """
 
 from __future__ import annotations

@@ -54,7 +54,9 @@ def _first_token_tv(kind: str, proposal: str, n: int, seed: int = 0) -> tuple[fl
     counts = torch.zeros(VOCAB, dtype=torch.float64)
     fixed_tokens = [rng.randrange(VOCAB) for _ in parents]
     dists = [(list(range(VOCAB)), q.tolist()) for q in q_rows]
-    us = acceptance_uniforms(torch.arange(n), torch.full((n,), 7), *walk_shape(TokenTree(fixed_tokens, parents)))
+    us = acceptance_uniforms(
+        torch.arange(n), torch.full((n,), 7), *walk_shape(TokenTree(fixed_tokens, parents))
+    ).numpy()
     for i in range(n):
         if proposal == "deterministic":
             tree = TokenTree(fixed_tokens, parents)
@@ -90,5 +92,5 @@ def test_sample_accept_is_deterministic_in_the_seed():
     gen = torch.Generator().manual_seed(0)
     probs = torch.stack([_rand_dist(gen) for _ in range(4)])
     tree = TokenTree([1, 2, 3], [-1, 0, 0])
-    u = acceptance_uniforms(torch.tensor([5, 5]), torch.tensor([3, 3]), *walk_shape(tree))
+    u = acceptance_uniforms(torch.tensor([5, 5]), torch.tensor([3, 3]), *walk_shape(tree)).numpy()
     assert (u[0] == u[1]).all() and sample_accept(tree, probs, u[0]) == sample_accept(tree, probs, u[1])
