@@ -133,14 +133,15 @@ def process_logits(
     # tokens of output), biases: per request, on its own rows.
     early = torch.tensor([len(outputs[i]) for i in which], device=dev)[row_req] + depth  # [R]
     for j, r in enumerate(req):
-        own = rows[row_req == j]  # [n_j]
+        mine = row_req == j  # [R]
+        own = rows[mine]  # [n_j]
         if r.allowed_token_ids:
             keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
             keep[r.allowed_tensor.to(dev)] = True
             logits[own] = logits[own].masked_fill(~keep, float("-inf"))
         stops = set(r.stop_token_ids) | (set() if r.ignore_eos else eos_ids)
         if r.min_tokens and stops:
-            quiet = own[early[row_req == j] < r.min_tokens]
+            quiet = own[early[mine] < r.min_tokens]
             logits[quiet[:, None], torch.tensor(sorted(stops), device=dev)[None, :]] = float("-inf")
         if r.logit_bias:
             ids, values = zip(*r.logit_bias, strict=True)

@@ -28,6 +28,7 @@ MAX_SCOPE_CHARS = 128  # a cache_scope: room for the gateway's 17-character tena
 # requests under keys of its own): a longer one is refused, as one that would not print on one line.
 MAX_REQUEST_ID_CHARS = 256
 BUILTIN_PROPOSERS = ("ngram", "suffix", "draft", "rag", "head")
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
 
 
 class InvalidRequest(ValueError):
@@ -205,22 +206,17 @@ def _controls(s: Any, max_tokens: int, vocab_size: int) -> dict[str, Any]:
             raise InvalidRequest(f"sampling.{name}", f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
         return float(value)
 
-    def ids(name: str, values: Any) -> list[int]:
-        if bad := [t for t in values if not 0 <= t < vocab_size]:
-            raise InvalidRequest(f"sampling.{name}", f"token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-        return list(values)
-
     if not 0 <= s.min_tokens <= max_tokens:
         raise InvalidRequest("sampling.min_tokens", f"must be in [0, max_tokens = {max_tokens}], got {s.min_tokens}")
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(s.logit_bias)}")
-    ids("logit_bias", s.logit_bias)
+    check_vocab("sampling.logit_bias", s.logit_bias, vocab_size)
     bias = {t: in_range("logit_bias", v, -100, 100) for t, v in s.logit_bias.items()}
     repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
     return {
         "min_tokens": int(s.min_tokens),
         "logit_bias": tuple(sorted(bias.items())),
-        "allowed_token_ids": frozenset(ids("allowed_token_ids", s.allowed_token_ids)),
+        "allowed_token_ids": frozenset(check_vocab("sampling.allowed_token_ids", s.allowed_token_ids, vocab_size)),
         "presence_penalty": in_range("presence_penalty", s.presence_penalty, -2, 2),
         "frequency_penalty": in_range("frequency_penalty", s.frequency_penalty, -2, 2),
         "repetition_penalty": in_range("repetition_penalty", repetition, 0, 2, lo_open=True),
@@ -241,23 +237,11 @@ def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: Req
         ids = list(msg.token_ids.ids)
         if not ids:
             raise InvalidRequest("input.token_ids", "empty prompt")
-        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise InvalidRequest(
-                "input.token_ids", f"token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})"
-            )
+        check_vocab("input.token_ids", ids, limits.vocab_size)
     else:
-        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
-        if not messages or all(not m["content"] for m in messages):
+        if all(not m.content for m in msg.chat.messages):
             raise InvalidRequest("input.chat", "empty prompt: no message content")
-        if bad_roles := {m["role"] for m in messages} - {"system", "user", "assistant"}:
-            raise InvalidRequest("input.chat", f"unknown role {sorted(bad_roles)[0]!r}")
-        check_size("input.chat", sum(len(m["content"].encode("utf-8")) for m in messages), limits)
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as exc:  # template errors are the request's fault (e.g. role order)
-            raise InvalidRequest("input.chat", f"chat template failed: {exc}") from exc
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = chat_ids(msg.chat, tokenizer, limits)
     if not ids:
         raise InvalidRequest(f"input.{kind}", "prompt tokenizes to nothing")
     if len(ids) >= limits.max_context:
@@ -265,6 +249,43 @@ def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: Req
             f"input.{kind}", f"prompt has {len(ids)} tokens; the model's context is {limits.max_context} tokens"
         )
     return ids
+
+
+def chat_ids(
+    chat: generation_pb2.ChatMessages,
+    tokenizer: Any,
+    limits: RequestLimits,
+    *,
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """A conversation's token ids: the model's chat template (``apply_chat_template(..., tokenize=True)``,
+    no special tokens beyond the template's), as Generate and Tokenize render it; with
+    ``add_special_tokens``, the rendered text encoded with the tokenizer's special tokens (vLLM's
+    ``add_special_tokens`` for a chat)."""
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    if not messages:
+        raise InvalidRequest("input.chat", "no messages")
+    if bad_roles := {m["role"] for m in messages} - CHAT_ROLES:
+        raise InvalidRequest("input.chat", f"unknown role {sorted(bad_roles)[0]!r}")
+    check_size("input.chat", sum(len(m["content"].encode("utf-8")) for m in messages), limits)
+    try:
+        if add_special_tokens:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return list(tokenizer.encode(text, add_special_tokens=True))
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+    except Exception as exc:  # template errors are the request's fault (e.g. role order)
+        raise InvalidRequest("input.chat", f"chat template failed: {exc}") from exc
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def check_vocab(field: str, ids: Any, vocab_size: int) -> list[int]:
+    """``ids`` as a list, each in the vocabulary [0, ``vocab_size``) (else refused naming ``field``)."""
+    if (bad := next((t for t in ids if not 0 <= t < vocab_size), None)) is not None:
+        raise InvalidRequest(field, f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    return list(ids)
 
 
 def check_size(field: str, n_bytes: int, limits: RequestLimits) -> None:

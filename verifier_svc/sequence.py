@@ -88,15 +88,16 @@ class Sequence:
             reason = "stop"
         if reason:
             text += self.stopper.push(self.detok.flush()) + self.stopper.flush()
-        event = TokenEvent(emitted, text, logprobs[: len(emitted)] if logprobs is not None else None)
-        if first and req.prompt_logprobs is not None:
-            event.prompt_logprobs = self.prompt_logprobs
-        return event, reason
+        lps = logprobs[: len(emitted)] if logprobs is not None else None
+        return TokenEvent(emitted, text, lps, self._scored_prompt() if first else None), reason
 
     def prefill_only(self) -> TokenEvent:
         """The one event of a request with ``max_tokens`` 0: no tokens, its prompt's logprobs where asked."""
-        scored = self.prompt_logprobs if self.req.prompt_logprobs is not None else None
-        return TokenEvent([], "", prompt_logprobs=scored)
+        return TokenEvent([], "", prompt_logprobs=self._scored_prompt())
+
+    def _scored_prompt(self) -> list[TokenLogprob] | None:
+        """The prompt's logprobs for the request's first event (None where it did not ask)."""
+        return self.prompt_logprobs if self.req.prompt_logprobs is not None else None
 
     def finish_event(self, reason: str, now: float) -> FinishEvent:
         return FinishEvent(

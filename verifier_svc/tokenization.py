@@ -11,9 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from specmesh.v1 import generation_pb2
-from verifier_svc.requests import InvalidRequest, RequestLimits, check_size
-
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
+from verifier_svc.requests import InvalidRequest, RequestLimits, chat_ids, check_size, check_vocab
 
 
 def tokenize(
@@ -42,43 +40,12 @@ def tokenize(
     return out
 
 
-def chat_ids(
-    chat: generation_pb2.ChatMessages,
-    tokenizer: Any,
-    limits: RequestLimits,
-    *,
-    add_generation_prompt: bool = True,
-    add_special_tokens: bool = False,
-) -> list[int]:
-    """A conversation's token ids: ``apply_chat_template(..., tokenize=True)`` as Generate renders it
-    (no special tokens beyond the template's); with ``add_special_tokens``, the rendered text encoded
-    with the tokenizer's special tokens (vLLM's ``add_special_tokens`` for a chat)."""
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    if not messages:
-        raise InvalidRequest("input.chat", "no messages")
-    if bad_roles := {m["role"] for m in messages} - CHAT_ROLES:
-        raise InvalidRequest("input.chat", f"unknown role {sorted(bad_roles)[0]!r}")
-    check_size("input.chat", sum(len(m["content"].encode("utf-8")) for m in messages), limits)
-    try:
-        if add_special_tokens:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-            return list(tokenizer.encode(text, add_special_tokens=True))
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-        )
-    except Exception as exc:  # template errors are the request's fault (e.g. role order)
-        raise InvalidRequest("input.chat", f"chat template failed: {exc}") from exc
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-
-
 def detokenize(
     msg: generation_pb2.DetokenizeRequest, tokenizer: Any, limits: RequestLimits
 ) -> generation_pb2.DetokenizeResponse:
     """Token ids → ``tokenizer.decode(ids)`` (special tokens kept). Every id must be in the
     vocabulary [0, ``limits.vocab_size``): the tokenizer would silently drop one outside it."""
-    ids = list(msg.tokens)
-    if not ids:
+    if not msg.tokens:
         raise InvalidRequest("tokens", "no token ids to detokenize")
-    if (bad := next((t for t in ids if not 0 <= t < limits.vocab_size), None)) is not None:
-        raise InvalidRequest("tokens", f"token id {bad} outside the vocabulary [0, {limits.vocab_size})")
+    ids = check_vocab("tokens", msg.tokens, limits.vocab_size)
     return generation_pb2.DetokenizeResponse(text=tokenizer.decode(ids))
