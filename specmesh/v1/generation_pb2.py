@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import params_pb2 as specmesh_dot_v1_dot_params__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecmesh/v1/generation.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/params.proto\"\xe6\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"M\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"#\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\"\xf8\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x32\n\x0bspec_decode\x18\x05 \x01(\x0b\x32\x1d.specmesh.v1.SpecDecodeParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05input\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"k\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\r\n\x05token\x18\x02 \x01(\t\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.specmesh.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\x87\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12+\n\x06prompt\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.PromptLogprobs\"P\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xd8\x01\n\x11GenerationSummary\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12\x34\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.SpeculationMetrics\x12#\n\x06timing\x18\x04 \x01(\x0b\x32\x13.specmesh.v1.Timing\x12\x13\n\x0bstop_string\x18\x05 \x01(\t\"\x8e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.specmesh.v1.TokenChunkH\x00\x12\x31\n\x07summary\x18\x03 \x01(\x0b\x32\x1e.specmesh.v1.GenerationSummaryH\x00\x42\t\n\x07payload*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xf6\x01\n\x11GenerationService\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.specmesh.v1.TokenizeRequest\x1a\x1d.specmesh.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.specmesh.v1.DetokenizeRequest\x1a\x1f.specmesh.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecmesh/v1/generation.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/params.proto\"\xe6\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"M\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"#\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"{\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.specmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"N\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\xf8\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specmesh.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x32\n\x0bspec_decode\x18\x05 \x01(\x0b\x32\x1d.specmesh.v1.SpecDecodeParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05input\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"k\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\r\n\x05token\x18\x02 \x01(\t\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.specmesh.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\x87\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12+\n\x06prompt\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.PromptLogprobs\"P\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xd8\x01\n\x11GenerationSummary\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12\x34\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.SpeculationMetrics\x12#\n\x06timing\x18\x04 \x01(\x0b\x32\x13.specmesh.v1.Timing\x12\x13\n\x0bstop_string\x18\x05 \x01(\t\"\x8e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.specmesh.v1.TokenChunkH\x00\x12\x31\n\x07summary\x18\x03 \x01(\x0b\x32\x1e.specmesh.v1.GenerationSummaryH\x00\x42\t\n\x07payload*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xf6\x01\n\x11GenerationService\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.specmesh.v1.TokenizeRequest\x1a\x1d.specmesh.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.specmesh.v1.DetokenizeRequest\x1a\x1f.specmesh.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1755
-  _globals['_FINISHREASON']._serialized_end=1873
+  _globals['_FINISHREASON']._serialized_start=1911
+  _globals['_FINISHREASON']._serialized_end=2029
   _globals['_TOKENIZEREQUEST']._serialized_start=72
   _globals['_TOKENIZEREQUEST']._serialized_end=302
   _globals['_TOKENIZERESPONSE']._serialized_start=304
@@ -45,27 +45,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=456
   _globals['_TOKENIDS']._serialized_end=479
   _globals['_CHATMESSAGE']._serialized_start=481
-  _globals['_CHATMESSAGE']._serialized_end=525
-  _globals['_CHATMESSAGES']._serialized_start=527
-  _globals['_CHATMESSAGES']._serialized_end=585
-  _globals['_GENERATEREQUEST']._serialized_start=588
-  _globals['_GENERATEREQUEST']._serialized_end=836
-  _globals['_TOPLOGPROB']._serialized_start=838
-  _globals['_TOPLOGPROB']._serialized_end=900
-  _globals['_TOKENLOGPROB']._serialized_start=902
-  _globals['_TOKENLOGPROB']._serialized_end=1009
-  _globals['_TOKENCHUNK']._serialized_start=1012
-  _globals['_TOKENCHUNK']._serialized_end=1147
-  _globals['_PROMPTLOGPROBS']._serialized_start=1149
-  _globals['_PROMPTLOGPROBS']._serialized_end=1229
-  _globals['_USAGE']._serialized_start=1231
-  _globals['_USAGE']._serialized_end=1311
-  _globals['_TIMING']._serialized_start=1313
-  _globals['_TIMING']._serialized_end=1389
-  _globals['_GENERATIONSUMMARY']._serialized_start=1392
-  _globals['_GENERATIONSUMMARY']._serialized_end=1608
-  _globals['_GENERATERESPONSE']._serialized_start=1611
-  _globals['_GENERATERESPONSE']._serialized_end=1753
-  _globals['_GENERATIONSERVICE']._serialized_start=1876
-  _globals['_GENERATIONSERVICE']._serialized_end=2122
+  _globals['_CHATMESSAGE']._serialized_end=604
+  _globals['_TOOLCALL']._serialized_start=606
+  _globals['_TOOLCALL']._serialized_end=661
+  _globals['_CHATMESSAGES']._serialized_start=663
+  _globals['_CHATMESSAGES']._serialized_end=741
+  _globals['_GENERATEREQUEST']._serialized_start=744
+  _globals['_GENERATEREQUEST']._serialized_end=992
+  _globals['_TOPLOGPROB']._serialized_start=994
+  _globals['_TOPLOGPROB']._serialized_end=1056
+  _globals['_TOKENLOGPROB']._serialized_start=1058
+  _globals['_TOKENLOGPROB']._serialized_end=1165
+  _globals['_TOKENCHUNK']._serialized_start=1168
+  _globals['_TOKENCHUNK']._serialized_end=1303
+  _globals['_PROMPTLOGPROBS']._serialized_start=1305
+  _globals['_PROMPTLOGPROBS']._serialized_end=1385
+  _globals['_USAGE']._serialized_start=1387
+  _globals['_USAGE']._serialized_end=1467
+  _globals['_TIMING']._serialized_start=1469
+  _globals['_TIMING']._serialized_end=1545
+  _globals['_GENERATIONSUMMARY']._serialized_start=1548
+  _globals['_GENERATIONSUMMARY']._serialized_end=1764
+  _globals['_GENERATERESPONSE']._serialized_start=1767
+  _globals['_GENERATERESPONSE']._serialized_end=1909
+  _globals['_GENERATIONSERVICE']._serialized_start=2032
+  _globals['_GENERATIONSERVICE']._serialized_end=2278
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "ignore_eos", "logprobs", "stop_token_ids", "min_tokens", "logit_bias", "allowed_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "prompt_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "ignore_eos", "logprobs", "stop_token_ids", "min_tokens", "logit_bias", "allowed_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "prompt_logprobs", "structured_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -49,7 +50,30 @@ class SamplingParams(_message.Message):
     repetition_penalty: float
     min_p: float
     prompt_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    structured_output: StructuredOutput
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "any_whitespace")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: ChoiceList
+    grammar: str
+    any_whitespace: bool
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., any_whitespace: _Optional[bool] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpecDecodeParams(_message.Message):
     __slots__ = ("proposer", "num_speculative_tokens", "max_tree_nodes", "workload_tag", "corpus", "cache_scope")
@@ -78,7 +102,7 @@ class ProposerMetrics(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationMetrics(_message.Message):
-    __slots__ = ("steps", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "per_proposer", "proposer_wait_ms", "verify_ms", "fallback_reason", "invalid_trees", "accepted_length_counts")
+    __slots__ = ("steps", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "per_proposer", "proposer_wait_ms", "verify_ms", "fallback_reason", "invalid_trees", "accepted_length_counts", "grammar_pruned_nodes")
     class PerProposerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +120,7 @@ class SpeculationMetrics(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     INVALID_TREES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LENGTH_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_PRUNED_NODES_FIELD_NUMBER: _ClassVar[int]
     steps: int
     drafted_tokens: int
     accepted_tokens: int
@@ -106,4 +131,5 @@ class SpeculationMetrics(_message.Message):
     fallback_reason: str
     invalid_trees: int
     accepted_length_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., per_proposer: _Optional[_Mapping[str, ProposerMetrics]] = ..., proposer_wait_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., invalid_trees: _Optional[int] = ..., accepted_length_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammar_pruned_nodes: int
+    def __init__(self, steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., per_proposer: _Optional[_Mapping[str, ProposerMetrics]] = ..., proposer_wait_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., invalid_trees: _Optional[int] = ..., accepted_length_counts: _Optional[_Iterable[int]] = ..., grammar_pruned_nodes: _Optional[int] = ...) -> None: ...
