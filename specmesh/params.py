@@ -16,6 +16,39 @@ FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow; set exactly one of the kinds (params.proto says each).
+
+    >>> StructuredOutput(json_schema='{"type": "integer"}').to_proto().WhichOneof("kind")
+    'json_schema'
+    """
+
+    json_schema: str | None = None  # a JSON Schema as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] = ()  # exactly one of these strings
+    grammar: str | None = None  # EBNF (GBNF), rule "root" starts
+    any_whitespace: bool = False  # JSON: any whitespace between elements (default: compact)
+
+    def __post_init__(self) -> None:
+        kinds = [self.json_schema is not None, self.json_object, self.regex is not None, bool(self.choice),
+                 self.grammar is not None]  # fmt: skip
+        if sum(kinds) != 1:
+            raise ValueError("StructuredOutput: set exactly one of json_schema, json_object, regex, choice, grammar")
+
+    def to_proto(self) -> params_pb2.StructuredOutput:
+        msg = params_pb2.StructuredOutput(any_whitespace=self.any_whitespace)
+        if self.choice:
+            msg.choice.choices.extend(self.choice)
+        for name in ("json_schema", "regex", "grammar"):
+            if getattr(self, name) is not None:
+                setattr(msg, name, getattr(self, name))
+        if self.json_object:
+            msg.json_object = True
+        return msg
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """``None`` leaves a field to the server default (temperature 1.0, top_p 1.0, max_tokens: what
     remains of the model's context, logprobs: none)."""
@@ -38,10 +71,13 @@ class SamplingParams:
     repetition_penalty: float | None = None  # None: 1.0 (off)
     min_p: float = 0.0
     prompt_logprobs: int | None = None  # N in [0, 20]: each prompt token's logprob (after the first)
+    structured_output: StructuredOutput | None = None  # None: free text
 
     def to_proto(self) -> params_pb2.SamplingParams:
         # the proto's fields, by name (tests/test_request_fields.py); None leaves an optional one unset
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.structured_output is not None:
+            fields["structured_output"] = self.structured_output.to_proto()
         return params_pb2.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
 
