@@ -66,9 +66,14 @@ def _field(details: str) -> str:
 
 
 def param_of(
-    details: str, max_tokens_param: str, logprobs_param: str, prompt_logprobs_param: str = "prompt_logprobs"
+    details: str,
+    max_tokens_param: str,
+    logprobs_param: str,
+    prompt_logprobs_param: str = "prompt_logprobs",
+    structured_output_param: str = "response_format",
 ) -> str | None:
-    """The request field a verifier message names (its messages start with ``field: …``).
+    """The request field a verifier message names (its messages start with ``field: …``); a grammar's
+    (``sampling.structured_output.<kind>``) is the field the request sent it in.
 
     >>> param_of("sampling.top_p: must be in (0, 1], got 2.0", "max_tokens", "logprobs")
     'top_p'
@@ -80,8 +85,12 @@ def param_of(
     'logit_bias'
     >>> param_of("spec_decode.proposer 'x' refused the request: …", "max_tokens", "logprobs")
     'spec_decode.proposer'
+    >>> param_of("sampling.structured_output.regex: bad", "max_tokens", "logprobs", "logprobs", "guided_regex")
+    'guided_regex'
     """
     field = _field(details)
+    if field == "sampling.structured_output" or field.startswith("sampling.structured_output."):
+        return structured_output_param
     renamed = {
         "sampling.max_tokens": max_tokens_param,
         "sampling.logprobs": logprobs_param,
@@ -101,13 +110,15 @@ def from_grpc(
     max_tokens_param: str = "max_tokens",
     logprobs_param: str = "logprobs",
     prompt_logprobs_param: str = "prompt_logprobs",
+    structured_output_param: str = "response_format",
 ) -> ApiError:
     code, details = exc.code(), exc.details() or ""
     status, kind = _STATUS.get(code, (500, "server_error"))
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and NEVER_FITS in details:  # retrying cannot help: 400
         message = f"{max_tokens_param}: {details}"
         return ApiError(400, message, "invalid_request_error", max_tokens_param, "context_length_exceeded")
-    param = param_of(details, max_tokens_param, logprobs_param, prompt_logprobs_param) if status == 400 else None
+    params = (max_tokens_param, logprobs_param, prompt_logprobs_param, structured_output_param)
+    param = param_of(details, *params) if status == 400 else None
     message = param + details[len(_field(details)) :] if param else details  # the field as the client named it
     if status == 503:
         message = f"the verifier is unavailable: {details}"

@@ -11,6 +11,7 @@ other field is a 400 naming it, as OpenAI answers "Unrecognized request argument
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from gateway_svc import sampling_checks as checks
+from gateway_svc import structured
 from gateway_svc.errors import RequestError
 from gateway_svc.messages import Message
 from specmesh.params import SamplingParams, SpecDecodeParams
@@ -48,7 +50,7 @@ def _only(*values: Any) -> Callable[[Any, dict, bool], bool]:
     return lambda v, body, chat: any(v == a and isinstance(v, bool) == isinstance(a, bool) for a in values)
 
 
-_NO_STRUCTURED = "structured outputs (JSON schema, regex, choice, grammar) are not supported yet"
+_NO_WHITESPACE = "JSON whitespace is compact or any (structured_outputs.disable_any_whitespace), not a pattern"
 _NO_TOOLS = "tool and function calling is not supported"
 _NO_MEDIA = "this server generates text from text only"
 _VLLM_ENGINE = "a vLLM engine feature this server does not have"
@@ -59,7 +61,6 @@ REFUSED: dict[str, Refusal] = {
     "tool_choice": Refusal(_NO_TOOLS, _only("none")),
     "functions": Refusal(_NO_TOOLS),
     "function_call": Refusal(_NO_TOOLS, _only("none")),
-    "response_format": Refusal(_NO_STRUCTURED + "; only type 'text'", lambda v, b, c: v == {"type": "text"}),
     "suffix": Refusal("insertion (text after the completion) is not supported", _only("")),
     "best_of": Refusal("best_of other than n is not supported", lambda v, b, c: v == b.get("n", 1)),
     "audio": Refusal(_NO_MEDIA),
@@ -97,14 +98,8 @@ REFUSED: dict[str, Refusal] = {
     "media_io_kwargs": Refusal(_NO_MEDIA),
     "mm_processor_kwargs": Refusal(_NO_MEDIA),
     "prompt_embeds": Refusal("prompts are text or token ids"),
-    "structured_outputs": Refusal(_NO_STRUCTURED),
-    "guided_json": Refusal(_NO_STRUCTURED),
-    "guided_regex": Refusal(_NO_STRUCTURED),
-    "guided_choice": Refusal(_NO_STRUCTURED),
-    "guided_grammar": Refusal(_NO_STRUCTURED),
-    "guided_decoding_backend": Refusal(_NO_STRUCTURED),
-    "guided_whitespace_pattern": Refusal(_NO_STRUCTURED),
-    "structural_tag": Refusal(_NO_STRUCTURED),
+    "guided_whitespace_pattern": Refusal(_NO_WHITESPACE),
+    "structural_tag": Refusal("structural tags are not supported (structured_outputs and response_format are)"),
     "logits_processors": Refusal("custom logits processors are not supported"),
     "logprob_token_ids": Refusal("logprobs of chosen token ids are not supported (top-N only)"),
     "priority": Refusal("requests are served in arrival order", _only(0)),
@@ -185,6 +180,14 @@ class _Generation(_Body):
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     session_id: str | None = None
+    # structured outputs (gateway_svc/structured.py): OpenAI's, vLLM's, vLLM's older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     # ours
     spec_decode: SpecDecode | None = None
 
@@ -229,6 +232,17 @@ class _Generation(_Body):
                 raise RequestError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.request_id is not None:
             checks.printable("request_id", self.request_id, MAX_REQUEST_ID)
+        _ = self.grammar  # a malformed one is a 400 before any stream opens
+
+    @functools.cached_property
+    def grammar(self) -> structured.Grammar | None:
+        """The grammar the structured-output fields ask for (None: free text)."""
+        return structured.from_fields({name: getattr(self, name) for name in structured.FIELDS})
+
+    @property
+    def structured_output_param(self) -> str:
+        """The request field a verifier refusal of ``sampling.structured_output`` is about."""
+        return self.grammar.param if self.grammar else "response_format"
 
     def _check_sampling(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -282,6 +296,7 @@ class _Generation(_Body):
             repetition_penalty=self.repetition_penalty,
             min_p=self.min_p or 0.0,
             prompt_logprobs=prompt_logprobs,
+            structured_output=self.grammar.output if self.grammar else None,
         )
 
     def spec(self) -> SpecDecodeParams:

@@ -21,4 +21,5 @@ async def chat_completions(
     body.check(gw.config.max_n)
     info = await gw.check_model(body.model)
     params = {"max_tokens_param": body.max_tokens_param, "logprobs_param": "top_logprobs"}
+    params["structured_output_param"] = body.structured_output_param
     return await generate(gw, body, info, [body.chat()], True, params, request_spec(body, request))

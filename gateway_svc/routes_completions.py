@@ -21,5 +21,6 @@ async def completions(
     body.check(gw.config.max_n)
     info = await gw.check_model(body.model)
     params = {"max_tokens_param": "max_tokens", "logprobs_param": "logprobs"}
+    params["structured_output_param"] = body.structured_output_param
     params["prompt_logprobs_param"] = body.prompt_logprobs_param
     return await generate(gw, body, info, body.prompts(), False, params, request_spec(body, request))

@@ -88,7 +88,8 @@ def test_spec_decode_from_extra_body_reaches_the_sdk_params():
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+        ({"structural_tag": "{}"}, "structural_tag"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"seed": -1}, "seed"),
     ],

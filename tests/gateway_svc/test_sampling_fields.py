@@ -101,7 +101,8 @@ SAMPLES = {
     "include_reasoning": False, "add_generation_prompt": False, "continue_final_message": True,
     "documents": [{"title": "t", "text": "x"}], "chat_template": "{{ x }}", "chat_template_kwargs": {"a": True},
     "media_io_kwargs": {"image": {"a": 1}}, "mm_processor_kwargs": {"a": 1}, "guided_json": {"type": "object"},
-    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x", "guided_decoding_backend": "x",
+    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
+    "guided_decoding_backend": "xgrammar:disable-any-whitespace",
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "logits_processors": ["m.P"],
     "logprobs": lambda chat: True if chat else 2, "prompt": [1, 2, 3],
 }  # fmt: skip
@@ -109,11 +110,22 @@ BASE = {
     "completions": {"model": "m", "prompt": "a b c"},
     "chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
 }
-NEEDS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}}  # what a sample needs beside it
+NEEDS = {  # what a sample needs beside it
+    "stream_options": {"stream": True},
+    "top_logprobs": {"logprobs": True},
+    "guided_decoding_backend": {"guided_json": {}},
+}
 
 
 def _sent(out: Answer, name: str, value) -> bool:
     return getattr(out.sampling, name) == value
+
+
+def _grammar(out: Answer, *_) -> dict:
+    """The structured output the verifier was sent, as {kind: value, any_whitespace}."""
+    g = out.sampling.structured_output
+    kinds = ("json_schema", "json_object", "regex", "choice", "grammar")
+    return {**{k: getattr(g, k) for k in kinds if getattr(g, k) not in (None, False, ())}, "ws": g.any_whitespace}
 
 
 # How each honoured field shows: in what the verifier was sent, or in the answer.
@@ -135,6 +147,13 @@ EFFECTS = {
     "request_id": lambda out, *_: out.first["id"].endswith("-mine"),
     "prompt": lambda out, *_: out.prompt == [1, 2, 3],
     "messages": lambda out, *_: out.prompt == [{"role": "user", "content": "hi"}],
+    "response_format": lambda out, *_: _grammar(out) == {"json_object": True, "ws": False},
+    "structured_outputs": lambda out, *_: _grammar(out) == {"json_schema": "{}", "ws": True},
+    "guided_json": lambda out, *_: _grammar(out) == {"json_schema": '{"type":"object"}', "ws": True},
+    "guided_regex": lambda out, *_: _grammar(out) == {"regex": "a+", "ws": False},
+    "guided_choice": lambda out, *_: _grammar(out) == {"choice": ("a",), "ws": False},
+    "guided_grammar": lambda out, *_: _grammar(out) == {"grammar": "root ::= x", "ws": False},
+    "guided_decoding_backend": lambda out, *_: _grammar(out) == {"json_schema": "{}", "ws": False},
 }  # fmt: skip
 
 
