@@ -219,6 +219,27 @@ class VerifierMetrics:
         self.kv_evictions = Counter(
             "specmesh_kv_cache_evictions", "Cached KV blocks dropped to reuse them", m, registry=r
         ).labels(model)
+        # Structured outputs (``verifier_svc.grammar``).
+        self.grammar_compile = Histogram(
+            "specmesh_grammar_compile_seconds",
+            "Grammar compile time per structured-output spec (cache misses), by kind",
+            ["kind", *m],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.grammar_mask = Histogram(
+            "specmesh_grammar_mask_seconds",
+            "Time per engine step building grammar masks (every constrained request's root and tree nodes)",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.grammar_pruned = Counter(
+            "specmesh_grammar_pruned_nodes",
+            "Draft tree nodes the request's grammar forbade, pruned before the verification forward",
+            m,
+            registry=r,
+        ).labels(model)
         self.kv_usage = Gauge("specmesh_kv_cache_usage", "Share of the KV blocks in use by requests", m, registry=r)
         # Bound once: the engine thread's calls skip the label lookup.
         self._prompt_tokens, self._generated = self.prompt_tokens.labels(model), self.generated_tokens.labels(model)
@@ -329,6 +350,15 @@ class VerifierMetrics:
             for _ in range(round(reached - h)):  # steps that accepted exactly d tokens
                 lengths.observe(d)
             reached = h
+
+    def grammar_compiled(self, kind: str, seconds: float) -> None:
+        self.grammar_compile.labels(kind, self.model).observe(seconds)
+
+    def grammar_step(self, seconds: float, pruned: int) -> None:
+        """One step's grammar masks (and pruning) for its constrained requests."""
+        self.grammar_mask.observe(seconds)
+        if pruned:
+            self.grammar_pruned.inc(pruned)
 
     def decision(self, proposer: str, speculate: bool) -> None:
         self.decisions.labels(proposer, "true" if speculate else "false", self.model).inc()

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from gateway_svc.protocol import CompletionRequest, SpecDecode
-from specmesh.params import SamplingParams, SpecDecodeParams
+from specmesh.params import SamplingParams, SpecDecodeParams, StructuredOutput
 from specmesh.v1 import generation_pb2, params_pb2
 from verifier_svc.requests import GenerationRequest, RequestLimits, SpecParams, build_request
 
@@ -23,6 +23,9 @@ SAMPLING = SamplingParams(
     stop_token_ids=(3, 4), min_tokens=2, logit_bias={5: -1.5, 9: 100.0}, allowed_token_ids=(5, 6, 9),
     presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.25, min_p=0.05, prompt_logprobs=1,
 )  # fmt: skip
+# structured_output (which ignore_eos cannot go with) is carried by a copy of its own.
+GRAMMAR = StructuredOutput(json_schema='{"type": "integer"}', any_whitespace=True)
+CONSTRAINED = dataclasses.replace(SAMPLING, ignore_eos=False, structured_output=GRAMMAR)
 SPEC = SpecDecodeParams(
     proposer="ngram", num_speculative_tokens=3, max_tree_nodes=9, workload_tag="qa", corpus="docs", cache_scope="t1"
 )
@@ -45,11 +48,13 @@ def test_each_sdk_dataclass_has_the_protos_fields_in_order_with_matching_default
 
 @pytest.mark.parametrize(("sdk", "message"), PAIRS, ids=lambda x: getattr(x, "__name__", ""))
 def test_to_proto_carries_every_field(sdk, message) -> None:
-    params = SAMPLING if sdk is SamplingParams else SPEC
+    params = CONSTRAINED if sdk is SamplingParams else SPEC
     msg = params.to_proto()
     for f in dataclasses.fields(sdk):
         value, want = getattr(msg, f.name), getattr(params, f.name)
-        if isinstance(want, tuple):
+        if f.name == "structured_output":
+            want = want.to_proto()
+        elif isinstance(want, tuple):
             value = tuple(value)
         elif isinstance(want, dict):
             value = dict(value)
@@ -84,7 +89,12 @@ def test_every_field_reaches_the_verifiers_validated_request() -> None:
     )
     limits = RequestLimits(max_context=64, vocab_size=100, configured_proposers=("ngram",))
     req = build_request(msg, tokenizer=None, limits=limits)
+    msg.sampling.CopyFrom(CONSTRAINED.to_proto())
+    grammar = build_request(msg, tokenizer=None, limits=limits).structured_output
+    assert (grammar.kind, grammar.value, grammar.any_whitespace) == ("json_schema", GRAMMAR.json_schema, True)
     for f in dataclasses.fields(SamplingParams):
+        if f.name == "structured_output":
+            continue
         got, want = getattr(req, f.name), getattr(SAMPLING, f.name)
         got = dict(got) if f.name == "logit_bias" else sorted(got) if isinstance(got, frozenset) else got
         assert got == pytest.approx(list(want) if isinstance(want, tuple) and f.name != "stop" else want), f.name

@@ -37,9 +37,11 @@ from specmesh_server.kv_blocks import BlockManager, namespace
 from specmesh_server.model_runner import ModelRunner
 from specmesh_server.paged_kv import PagedKVCache
 from specmesh_server.torch_thread import ThreadLoop, TorchThread
+from specmesh_server.tree import TokenTree
 from verifier_svc import admission
 from verifier_svc.detokenizer import StopStringFilter, detokenizer_for
 from verifier_svc.events import EngineFull, EngineStats, EngineStopped, ErrorEvent, Event, NeverFits
+from verifier_svc.grammar import RequestGrammar, constrain_trees, step_masks
 from verifier_svc.logprobs import TokenLogprob
 from verifier_svc.model_steps import decode_step, prefill_step
 from verifier_svc.request_speculation import RequestSpeculation
@@ -123,11 +125,13 @@ class Engine:
         req: GenerationRequest,
         sink: Callable[[Event], None],
         speculation: RequestSpeculation | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> int:
         """Queue a request; its events go to ``sink`` (called from the engine thread). Returns the
         request's key, unique in this engine: what :meth:`cancel` takes. The client's ``request_id``
         is only a label (two clients may send the same one). ``speculation``: the request's
-        speculation as ``SpeculationControl.start`` opened it (None: plain decoding)."""
+        speculation as ``SpeculationControl.start`` opened it (None: plain decoding). ``grammar``:
+        its structured output's state (``req.structured_output`` compiled), which every row it draws from obeys."""
         need = min(len(req.prompt_ids) + req.max_tokens, self.max_context) + self.config.step_room
         budget = self.cache.token_budget
         if need > budget:
@@ -153,6 +157,7 @@ class Engine:
             stopper=StopStringFilter(list(req.stop)),
             arrival=time.perf_counter(),
             speculation=speculation or RequestSpeculation.start(),
+            grammar=grammar,
         )
         self._inbox.put(("submit", seq))
         return key
@@ -384,12 +389,32 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> None:
         """One batched forward over prefilled requests in contiguous slots: each one's pending token
         plus the token tree its proposer sent, if any; then lossless acceptance per request."""
-        trees = self.speculation.collect_trees(seqs, self.max_context)
+        grammars = [s.grammar for s in seqs]
+        constrained = any(g is not None for g in grammars)
+        t_mask, pruned = 0.0, 0
+
+        def constrain(trees: list[TokenTree]) -> list[TokenTree]:  # the grammars' masks, and their pruning
+            nonlocal t_mask, pruned
+            t0 = time.perf_counter()
+            out = constrain_trees(grammars, trees)
+            t_mask += time.perf_counter() - t0
+            pruned += sum(len(a) - len(b) for a, b in zip(trees, out, strict=True))
+            return out
+
+        trees = self.speculation.collect_trees(seqs, self.max_context, constrain if constrained else None)
+        masks = None
+        if constrained:
+            t0 = time.perf_counter()
+            masks = step_masks(grammars, trees, self.runner.device)
+            if self.metrics is not None:
+                self.metrics.grammar_step(t_mask + time.perf_counter() - t0, pruned)
         for seq, tree in zip(seqs, trees, strict=True):  # the pending token and the tree, after the prefix
             self.blocks.grow(seq.blocks, seq.length + 1 + len(tree))
         width = 1 + max(len(t) for t in trees)
         rows = self.cache.rows([s.blocks for s in seqs], max(s.length for s in seqs) + width)
-        step = decode_step(self.runner, seqs, trees, self.packed, self.config.device_accept, rows, self.eos_token_ids)
+        step = decode_step(
+            self.runner, seqs, trees, self.packed, self.config.device_accept, rows, self.eos_token_ids, masks
+        )
         self.speculation.observe_step(len(seqs), step.computed / len(seqs), step.seconds, step.width, step.keys)
         self.stats.steps += 1
         if self.metrics is not None:

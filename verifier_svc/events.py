@@ -73,6 +73,7 @@ class FinishEvent:
     stop_string: str = ""
     speculation: SpecCounters = field(default_factory=SpecCounters)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    grammar_pruned_nodes: int = 0  # draft nodes the request's grammar forbade (cut before the forward)
 
 
 @dataclass

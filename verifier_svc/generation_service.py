@@ -13,8 +13,15 @@ from google.protobuf.message import Message
 
 from specmesh.v1 import generation_pb2, generation_pb2_grpc, params_pb2
 from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent, NeverFits
+from verifier_svc.grammar import GrammarCompiler, RequestGrammar
 from verifier_svc.logprobs import TokenLogprob
-from verifier_svc.requests import InvalidRequest, ProposerNotConfigured, RequestLimits, build_request
+from verifier_svc.requests import (
+    GenerationRequest,
+    InvalidRequest,
+    ProposerNotConfigured,
+    RequestLimits,
+    build_request,
+)
 from verifier_svc.speculation import ProposerRefused, SpeculationControl
 from verifier_svc.tokenization import detokenize, tokenize
 
@@ -50,6 +57,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
         )
+        # Structured outputs: compiled on a thread of their own (a large schema takes a while; other
+        # requests keep tokenizing), the compiler made on the tokenizer's thread at the first one.
+        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specmesh-grammar")
+        self._grammars: GrammarCompiler | None = None
+
+    def _prepare(self, request: generation_pb2.GenerateRequest) -> GenerationRequest:
+        """The validated request (on the tokenizer's thread); the grammar compiler made if it needs one."""
+        req = build_request(request, self.tokenizer, self.limits)
+        if req.structured_output is not None and self._grammars is None:
+            eos = self.engine.eos_token_ids
+            self._grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size, eos, metrics=self.metrics)
+        return req
+
+    async def _grammar(self, req: GenerationRequest) -> RequestGrammar | None:
+        """The request's grammar state, compiled (or from the cache); None for free text."""
+        if req.structured_output is None:
+            return None
+        assert self._grammars is not None
+        loop = asyncio.get_running_loop()
+        compiled = await loop.run_in_executor(self.grammar_pool, self._grammars.compile, req.structured_output)
+        return RequestGrammar.start(compiled, self.limits.vocab_size)
 
     def _logprobs_pb(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[generation_pb2.TokenLogprob]:
         text = self.token_text
@@ -70,9 +98,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:  # tokenizing (and chat templates) off the event loop: other streams keep flowing
-            req = await asyncio.get_running_loop().run_in_executor(
-                self.tokenize_pool, build_request, request, self.tokenizer, self.limits
-            )
+            req = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self._prepare, request)
+            grammar = await self._grammar(req)
         except InvalidRequest as exc:
             if self.metrics is not None:
                 self.metrics.request_finished("invalid")
@@ -91,7 +118,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
-            key = self.engine.submit(req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), speculation)
+            key = self.engine.submit(
+                req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), speculation, grammar
+            )
         except (EngineFull, NeverFits, EngineStopped) as exc:
             self.speculation.abandon(speculation)
             if self.metrics is not None:
@@ -183,6 +212,7 @@ def _summary(ev: FinishEvent) -> generation_pb2.GenerationSummary:
             fallback_reason=spec.fallback_reason,
             invalid_trees=spec.invalid_trees,
             accepted_length_counts=spec.accepted_hist,
+            grammar_pruned_nodes=ev.grammar_pruned_nodes,
         ),
         timing=generation_pb2.Timing(queue_ms=ev.queue_ms, time_to_first_token_ms=ev.ttft_ms, total_ms=ev.total_ms),
         stop_string=ev.stop_string,

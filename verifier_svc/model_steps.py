@@ -16,6 +16,7 @@ from specmesh_server.model_runner import ModelRunner
 from specmesh_server.paged_kv import PagedRows
 from specmesh_server.tree import TokenTree
 from verifier_svc.batch_accept import accept_batch, sample_tokens
+from verifier_svc.grammar import StepMasks, constrain_trees, step_masks
 from verifier_svc.logits_controls import process_logits
 from verifier_svc.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from verifier_svc.sequence import Sequence
@@ -77,6 +78,12 @@ def prefill_step(
         last = torch.tensor([len(chunks[i]) - 1 for i in finished], device=dev)
         logits = runner.logits(hidden[torch.tensor(finished, device=dev), last])  # [f, vocab]
         reqs = [joining[i].req for i in finished]
+        grammars = [joining[i].grammar for i in finished]
+        if any(g is not None for g in grammars):  # structured outputs: the first token obeys the grammar
+            constrain_trees(grammars, [NO_TREE] * len(finished))
+            masks = step_masks(grammars, [NO_TREE] * len(finished), dev)
+            assert masks is not None
+            masks.apply(logits)
         logits = process_logits(logits, reqs, [[]] * len(reqs), [NO_TREE] * len(reqs), set(eos_ids))
         tokens = sample_tokens(reqs, [joining[i].context_length for i in finished], logits)
         logprobs = step_logprobs(reqs, logits, lambda j: ([j], [tokens[j]]))
@@ -143,11 +150,13 @@ def decode_step(
     device_accept: bool | None,
     rows: PagedRows,
     eos_ids: set[int] | frozenset[int] = frozenset(),
+    masks: StepMasks | None = None,
 ) -> DecodeStep:
     """One batched forward over prefilled requests (``rows``: their blocks): each one's pending token plus
-    its tree (maybe empty); then each request's logits controls on every row (``logits_controls``:
-    each node as if its path were generated; ``eos_ids`` for min_tokens) and lossless acceptance per
-    request (``batch_accept.accept_batch``)."""
+    its tree (maybe empty); then the grammar masks of constrained requests' rows (``masks``, from
+    ``grammar.step_masks``: each node by the grammar state its path reaches), each request's logits
+    controls on every row (``logits_controls``: each node as if its path were generated; ``eos_ids`` for
+    min_tokens) and lossless acceptance per request (``batch_accept.accept_batch``)."""
     dev = runner.device
     step = decode_inputs([s.pending for s in seqs], [s.length for s in seqs], trees, dev)
     width = step.input_ids.shape[1]
@@ -168,6 +177,8 @@ def decode_step(
     hidden = runner.forward(rows, step.input_ids, step.positions, step.mask, step.write_pos, packing, tree_meta=meta)
     hidden = hidden[0] if packing is not None else hidden[real]  # [sum(n_i + 1), h]
     logits = runner.logits(hidden)  # [sum(n_i + 1), vocab]
+    if masks is not None:
+        masks.apply(logits)
     reqs = [s.req for s in seqs]
     logits = process_logits(logits, reqs, [s.output for s in seqs], trees, set(eos_ids))
     results = accept_batch(reqs, [s.context_length for s in seqs], trees, logits, counts, device_accept=device_accept)

@@ -7,6 +7,7 @@ that says which field to fix.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import secrets
 import uuid
@@ -27,6 +28,7 @@ MAX_SCOPE_CHARS = 128  # a cache_scope: room for the gateway's 17-character tena
 # The client's request_id is a label only (echoed in every response chunk, logged; the engine files
 # requests under keys of its own): a longer one is refused, as one that would not print on one line.
 MAX_REQUEST_ID_CHARS = 256
+MAX_GRAMMAR_BYTES = 1 << 16  # a structured output's schema, regex, grammar or choices, in UTF-8 bytes
 BUILTIN_PROPOSERS = ("ngram", "suffix", "draft", "rag", "head")
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 
@@ -57,6 +59,22 @@ class SpecParams:
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A structured output as the verifier compiles it (``grammar.GrammarCompiler``): one of
+    ``params.proto``'s ``StructuredOutput`` kinds; hashable, so compiled grammars are cached by it."""
+
+    kind: str  # "json_schema" | "json_object" | "regex" | "choice" | "grammar"
+    value: str = ""  # the JSON schema, regex or EBNF text
+    choices: tuple[str, ...] = ()
+    any_whitespace: bool = False  # JSON: any whitespace between elements (else compact)
+
+    @property
+    def field(self) -> str:
+        """The request field it came from, for error messages."""
+        return f"sampling.structured_output.{self.kind}"
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     prompt_ids: list[int]
@@ -81,6 +99,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = (
         None  # None: none; N: each prompt token's logprob (after the first) and N alternatives
     )
+    structured_output: GrammarSpec | None = None  # the output follows this grammar (``grammar``)
 
     @property
     def has_controls(self) -> bool:
@@ -195,7 +214,41 @@ def build_request(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: R
         stop_token_ids=frozenset(s.stop_token_ids),
         **_controls(s, int(max_tokens), limits.vocab_size),
         prompt_logprobs=prompt_logprobs,
+        structured_output=_grammar(s),
     )
+
+
+def _grammar(s: Any) -> GrammarSpec | None:
+    """``SamplingParams.structured_output`` checked as far as can be without compiling it."""
+    if not s.HasField("structured_output"):
+        return None
+    so = s.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(
+            "sampling.structured_output", "set one of json_schema, json_object, regex, choice, grammar"
+        )
+    field = f"sampling.structured_output.{kind}"
+    if s.ignore_eos:  # a complete grammar allows only EOS: generation could not go on
+        raise InvalidRequest(field, "cannot be combined with sampling.ignore_eos (a complete output allows only EOS)")
+    choices = tuple(so.choice.choices) if kind == "choice" else ()
+    value = "" if kind in ("choice", "json_object") else getattr(so, kind)
+    if sum(len(c.encode("utf-8")) for c in (value, *choices)) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequest(field, f"at most {MAX_GRAMMAR_BYTES} bytes")
+    if kind == "json_object" and not so.json_object:
+        raise InvalidRequest(field, "must be true when set")
+    if kind == "choice" and (not choices or any(not c for c in choices)):
+        raise InvalidRequest(field, "at least one choice, each a non-empty string")
+    if kind in ("regex", "grammar") and not value:
+        raise InvalidRequest(field, "empty")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(value)
+        except ValueError as exc:
+            raise InvalidRequest(field, f"not valid JSON: {exc}") from exc
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest(field, f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+    return GrammarSpec(kind, value, choices, so.any_whitespace)
 
 
 def _controls(s: Any, max_tokens: int, vocab_size: int) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specmesh_server.kv_blocks import BlockTable
 from verifier_svc.detokenizer import Detokenizer, StopStringFilter
@@ -11,6 +12,9 @@ from verifier_svc.events import Event, FinishEvent, TokenEvent
 from verifier_svc.logprobs import TokenLogprob
 from verifier_svc.request_speculation import RequestSpeculation
 from verifier_svc.requests import GenerationRequest
+
+if TYPE_CHECKING:
+    from verifier_svc.grammar import RequestGrammar
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Sequence:
     first_token: float = 0.0
     last_chunk: float | None = None  # perf_counter of its last streamed tokens (the inter-token metric)
     speculation: RequestSpeculation = field(default_factory=RequestSpeculation)  # owned by SpeculationControl
+    grammar: RequestGrammar | None = None  # structured output: the matcher has accepted the whole output
 
     @property
     def context_length(self) -> int:
@@ -80,6 +85,8 @@ class Sequence:
                 reason = "length"
             if reason:
                 break
+        if self.grammar is not None:
+            self.grammar.advance(emitted)
         # The tokens that leave the output at most min_tokens long are not searched for stop strings.
         quiet = max(min(req.min_tokens - (len(self.output) - len(emitted)), len(emitted)), 0)
         text = self.stopper.push(self.detok.push(emitted[:quiet]), armed=False) if quiet else ""
@@ -112,4 +119,5 @@ class Sequence:
             stop_string=self.stopper.matched or "",
             speculation=self.speculation.counters,
             cached_tokens=self.cached_tokens,
+            grammar_pruned_nodes=self.grammar.pruned if self.grammar is not None else 0,
         )

@@ -133,8 +133,15 @@ class SpeculationControl:
         self._end(state)
 
     # --- the engine thread: before the forward --------------------------------------------------
-    def collect_trees(self, seqs: list[Sequence], max_context: int) -> list[TokenTree]:
-        """Each request's tree for its current context; waits at most ``proposer_wait_ms`` for all."""
+    def collect_trees(
+        self,
+        seqs: list[Sequence],
+        max_context: int,
+        constrain: Callable[[list[TokenTree]], list[TokenTree]] | None = None,
+    ) -> list[TokenTree]:
+        """Each request's tree for its current context; waits at most ``proposer_wait_ms`` for all.
+        ``constrain``: cuts what the requests' grammars forbid from the trees (``grammar``), before
+        the gate prices them; a tree so cut still counts as its proposer's whole tree."""
         for seq in seqs:
             if seq.speculation.session is not None and seq.speculation.session.failed is not None:
                 self._drop(seq.speculation, seq.speculation.session.failed)
@@ -157,6 +164,12 @@ class SpeculationControl:
         for seq in seqs:
             tree = self._take(seq, waited)
             trees.append(EMPTY_TREE if tree is None or seq.length + 1 + len(tree) > max_context else tree)
+        if constrain is not None:
+            cut = constrain(trees)
+            for seq, before, after in zip(seqs, trees, cut, strict=True):
+                if after is not before and seq.speculation.offered is before:
+                    seq.speculation.offered = after
+            trees = cut
         if self.step_cost is not None and any(trees):
             trees = self._gate(seqs, trees)
         return trees

@@ -1,0 +1,283 @@
+"""Structured outputs (``verifier_svc.grammar``): every tree node's mask is the grammar state its path
+reaches, forbidden drafts are pruned (a sampled node's proposal restricted with them), compile
+errors name their field; the engine's greedy output under a JSON schema, a regex and a choice list
+is identical with n-gram speculation on and off at 1 and 8 streams and to transformers ``generate()``
+with xgrammar's own logits processor; sampled acceptance with a grammar mask emits the constrained
+target's distribution at every node (chi-square, with the negative controls failing)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+
+from specmesh_server.tree import TokenTree
+from verifier_svc.grammar import GrammarCompiler, RequestGrammar, constrain_trees, step_masks
+from verifier_svc.requests import GenerationRequest, GrammarSpec, InvalidRequest, SpecParams
+
+NO_SPEC = SpecParams("none", 0, 0, "", "")
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 30},
+        "topic": {"enum": ["math", "coding", "writing", "other"]},
+        "confidence": {"type": "integer", "minimum": 0, "maximum": 10},
+    },
+    "required": ["answer", "topic", "confidence"],
+    "additionalProperties": False,
+}
+JSON_SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA))
+REGEX_SPEC = GrammarSpec("regex", r"(yes|no), because [a-z ]{5,40}\.")
+CHOICE_SPEC = GrammarSpec("choice", choices=("positive", "negative", "neutral"))
+
+
+@pytest.fixture(scope="module")
+def compiler(lm) -> GrammarCompiler:
+    return GrammarCompiler(lm.tokenizer, lm.model.config.vocab_size, {2})
+
+
+def _allowed(row: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The token ids a bitmask row allows."""
+    bits = (row[:, None] >> torch.arange(32, dtype=torch.int32)[None, :]) & 1  # [W, 32]
+    return bits.reshape(-1)[:vocab].nonzero().squeeze(1)
+
+
+def _fresh_row(compiled, path: list[int], width: int) -> torch.Tensor | None:
+    """The mask after ``path`` from a new matcher (None where the grammar rejects the path)."""
+    m = xgr.GrammarMatcher(compiled)
+    if not all(m.accept_token(t) for t in path):
+        return None
+    row = torch.zeros(1, width, dtype=torch.int32)
+    m.fill_next_token_bitmask(row)
+    return row[0]
+
+
+def _path(tree: TokenTree, node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(tree.tokens[node])
+        node = tree.parents[node]
+    return out[::-1]
+
+
+def test_compile_errors_name_the_field_and_compiled_grammars_are_cached(compiler) -> None:
+    assert compiler.compile(JSON_SPEC) is compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    for spec in (
+        GrammarSpec("regex", "(unclosed"),
+        GrammarSpec("grammar", "root ::= missing_rule"),
+        GrammarSpec("json_schema", '{"type": "no-such-type"}'),
+    ):
+        with pytest.raises(InvalidRequest, match=f"sampling.structured_output.{spec.kind}: cannot compile"):
+            compiler.compile(spec)
+
+
+def test_every_tree_nodes_mask_is_the_grammar_state_its_path_reaches_and_forbidden_nodes_are_pruned(
+    lm, compiler
+) -> None:
+    """Random trees over tokens the grammar likes (and some it forbids): each kept node's row equals
+    a fresh matcher's after the node's path, a node is pruned exactly when its path leaves the
+    grammar, and the matcher's own state is untouched by the traversal."""
+    tok = lm.tokenizer
+    compiled = compiler.compile(JSON_SPEC)
+    good = tok.encode('{"answer": "It is four.", "topic": "math", "confidence": 9}', add_special_tokens=False)
+    vocab = lm.model.config.vocab_size
+    width = (vocab + 31) // 32
+    rng = random.Random(0)
+    for trial in range(20):
+        g = RequestGrammar.start(compiled, vocab)
+        prefix = good[: rng.randrange(len(good) - 4)]
+        g.advance(prefix)
+        n = rng.randrange(1, 24)
+        parents = [rng.randrange(-1, i) for i in range(n)]
+        tokens = []
+        for i in range(n):  # mostly the grammar's own next token, sometimes a random one
+            depth = len(_path(TokenTree([*tokens, 0], parents[: i + 1]), i))
+            at = len(prefix) + depth - 1
+            tokens.append(good[at] if at < len(good) and rng.random() < 0.7 else rng.randrange(vocab))
+        tree = TokenTree(tokens, parents)
+        [kept] = constrain_trees([g], [tree])
+        expect_kept = [i for i in range(n) if _fresh_row(compiled, prefix + _path(tree, i), width) is not None]
+        assert len(kept) == len(expect_kept), trial
+        assert g.pruned == n - len(expect_kept)
+        assert [tokens[i] for i in expect_kept] == kept.tokens
+        masks = step_masks([g], [kept], torch.device("cpu"))
+        assert masks.rows.tolist() == list(range(len(kept) + 1))
+        assert torch.equal(masks.bitmask[0], _fresh_row(compiled, prefix, width))
+        for j in range(len(kept)):
+            assert torch.equal(masks.bitmask[j + 1], _fresh_row(compiled, prefix + _path(kept, j), width)), trial
+        assert torch.equal(_row_of(g), _fresh_row(compiled, prefix, width))  # traversal rolled back
+
+
+def _row_of(g: RequestGrammar) -> torch.Tensor:
+    row = torch.zeros(1, g.width, dtype=torch.int32)
+    g.matcher.fill_next_token_bitmask(row)
+    return row[0]
+
+
+def test_sampled_nodes_proposals_are_restricted_to_what_their_parent_allows(lm, compiler) -> None:
+    tok = lm.tokenizer
+    g = RequestGrammar.start(compiler.compile(CHOICE_SPEC), lm.model.config.vocab_size)
+    pos, neg, hello = (tok.encode(w, add_special_tokens=False)[0] for w in ("positive", "negative", "hello"))
+    tree = TokenTree([pos, hello, neg], [-1, -1, -1], dists=[([pos, hello, neg], [0.5, 0.3, 0.2])] * 3)
+    [kept] = constrain_trees([g], [tree])
+    assert kept.tokens == [pos, neg] and g.pruned == 1
+    assert kept.dists == [([pos, neg], [0.5, 0.2])] * 2
+
+
+def test_step_masks_apply_to_each_constrained_requests_rows_only(lm, compiler) -> None:
+    vocab = lm.model.config.vocab_size
+    g = RequestGrammar.start(compiler.compile(CHOICE_SPEC), vocab)
+    trees = [TokenTree([5, 6], [-1, 0]), TokenTree([], [])]
+    trees = constrain_trees([None, g], trees)
+    masks = step_masks([None, g], trees, torch.device("cpu"))
+    logits = torch.zeros(4, vocab)
+    masks.apply(logits)
+    assert torch.isfinite(logits[:3]).all()  # the free request's root and two nodes
+    allowed = torch.isfinite(logits[3]).nonzero().squeeze(1)
+    assert {lm.tokenizer.decode(t) for t in allowed.tolist()} >= {"positive", "negative", "neutral"}
+    assert len(allowed) < 40
+
+
+# --- the engine on the real model --------------------------------------------------------------
+
+PROMPTS = [
+    "Answer as JSON with keys answer, topic and confidence: what is 7 times 6?",
+    "Answer as JSON with keys answer, topic and confidence: write a haiku about rain.",
+    "Answer as JSON with keys answer, topic and confidence: how do I reverse a list in Python?",
+    "Answer as JSON with keys answer, topic and confidence: what is the capital of France?",
+    "Is the sky blue? Answer yes or no, then say why.",
+    "Is water dry? Answer yes or no, then say why.",
+    "Classify the sentiment: 'I loved this film, it was wonderful.'",
+    "Classify the sentiment: 'The service was slow and the food cold.'",
+]
+SPECS = [JSON_SPEC] * 4 + [REGEX_SPEC] * 2 + [CHOICE_SPEC] * 2
+
+
+def _check(spec: GrammarSpec, text: str) -> None:
+    if spec.kind == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif spec.kind == "regex":
+        assert re.fullmatch(spec.value, text), text
+    else:
+        assert text in spec.choices, text
+
+
+def _run(eng, compiler, prompts, specs, n: int, speculate: bool, temperature: float = 0.0, seed: int = 1):
+    from test_logits_controls import _Collector
+
+    from verifier_svc.local_proposer import LocalProposerSession
+    from verifier_svc.proposer_client import ProposerLimits
+    from verifier_svc.request_speculation import RequestSpeculation
+
+    limits = ProposerLimits(vocab_size=eng.runner.vocab_size, max_nodes=16, max_depth=8)
+    got = [_Collector() for _ in prompts]
+    for i, (ids, spec) in enumerate(zip(prompts, specs, strict=True)):
+        sp = SpecParams("ngram", 0, 0, "", "") if speculate else NO_SPEC
+        req = GenerationRequest(f"r{i}", ids, temperature, 1.0, 0, seed + i, n, (), False, sp, structured_output=spec)
+        session = LocalProposerSession("ngram", ids, limits, eng.speculation.trees_arrived) if speculate else None
+        grammar = RequestGrammar.start(compiler.compile(spec), eng.runner.vocab_size)
+        eng.submit(req, got[i], RequestSpeculation.start(session), grammar)
+    assert all(c.done.wait(300) for c in got)
+    return [c.tokens for c in got]
+
+
+def _text(lm, tokens: list[int]) -> str:
+    return lm.tokenizer.decode([t for t in tokens if t != 2])
+
+
+@pytest.mark.slow
+def test_greedy_under_a_grammar_is_identical_with_ngram_speculation_on_and_off_at_1_and_8_streams(
+    lm, chat_ids, engine_factory, compiler
+):
+    """Eight concurrent greedy streams, four under a JSON schema, two a regex, two a choice list: with
+    every n-gram tree verified they equal the same streams decoded plain and each one alone with
+    speculation, every output is valid, and plain equals transformers generate() with xgrammar's
+    logits processor (an independent implementation of the constrained greedy decode)."""
+    from support import assert_greedy_equal
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    eng = engine_factory()
+    prompts = [chat_ids(p) for p in PROMPTS]
+    n = 64
+    plain = _run(eng, compiler, prompts, SPECS, n, False)
+    spec = _run(eng, compiler, prompts, SPECS, n, True)
+    for ids, s, a, b in zip(prompts, SPECS, plain, spec, strict=True):
+        assert_greedy_equal(lm, ids, b, a)
+        assert a[-1] == 2, _text(lm, a)  # the grammar completed (then only EOS is allowed)
+        _check(s, _text(lm, a))
+    for i in (0, 4, 6):
+        alone = _run(eng, compiler, [prompts[i]], [SPECS[i]], n, True)[0]
+        assert_greedy_equal(lm, prompts[i], alone, plain[i])
+        with torch.inference_mode():
+            out = lm.model.generate(
+                torch.tensor([prompts[i]]),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=2,
+                eos_token_id=2,
+                logits_processor=[LogitsProcessor(compiler.compile(SPECS[i]))],
+            )
+        assert_greedy_equal(lm, prompts[i], plain[i], out[0, len(prompts[i]) :].tolist())
+
+
+@pytest.mark.slow
+def test_sampled_outputs_under_a_schema_with_speculation_all_validate(lm, chat_ids, engine_factory, compiler):
+    eng = engine_factory()
+    prompts = [chat_ids(p) for p in PROMPTS[:4]] * 2
+    outs = _run(eng, compiler, prompts, [JSON_SPEC] * 8, 96, True, temperature=0.8, seed=7)
+    for out in outs:
+        assert out[-1] == 2
+        _check(JSON_SPEC, _text(lm, out))
+
+
+@pytest.mark.slow
+def test_sampled_acceptance_under_a_grammar_mask_emits_the_constrained_targets_distribution_chi_square(
+    lm, chat_ids, compiler
+):
+    """A branching tree after a prompt asking for a choice (root children: an allowed and a forbidden
+    token, then allowed continuations), pruned and masked as a decode step does, walked for 20,000
+    seeds: each row's distribution is the target's renormalised over the tokens the grammar allows
+    after the node's path (from a fresh matcher), the token emitted after each node follows it
+    (chi-square, p = 0.001, nodes reached by ≥ 1,000 walks), and the wrong rules fail."""
+    from collections import Counter
+
+    from support import assert_chi_square, assert_wrong_rules_fail, seeded_tree_walks
+
+    spec = GrammarSpec("choice", choices=("red", "green", "blue", "reddish", "greenish"))
+    compiled = compiler.compile(spec)
+    tok, vocab = lm.tokenizer, lm.model.config.vocab_size
+    prompt = chat_ids("Name a colour: red, green or blue?")
+    first = [tok.encode(w, add_special_tokens=False)[0] for w in ("red", "green", "yellow")]
+    kids = {w: tok.encode(w, add_special_tokens=False)[1:2] for w in ("reddish", "greenish")}  # red|dish, green|ish
+    tree = TokenTree([first[0], *kids["reddish"], first[1], *kids["greenish"], first[2]], [-1, 0, -1, 2, -1])
+    g = RequestGrammar.start(compiled, vocab)
+    [kept] = constrain_trees([g], [tree])
+    assert g.pruned == 1 and len(kept) == 4  # "yellow" is not a choice
+    masks = step_masks([g], [kept], torch.device("cpu"))
+    paths = [[]] + [_path(kept, i) for i in range(len(kept))]
+
+    with torch.inference_mode():
+        raw = torch.stack([lm.model(torch.tensor([prompt + p])).logits[0, -1].float() for p in paths])
+    logits = raw.clone()
+    masks.apply(logits)
+    probs, out, emitted = seeded_tree_walks(kept, prompt, logits, "ngram", 20_000)
+    tested = Counter()
+    for index, path in enumerate(paths):
+        row = _fresh_row(compiled, path, g.width)
+        allowed = _allowed(row, vocab)
+        want = torch.zeros(vocab, dtype=torch.float64)
+        want[allowed] = torch.softmax(raw[index, allowed].double(), -1)
+        torch.testing.assert_close(probs[index], want, rtol=0, atol=1e-6)
+        sample = torch.tensor([e[len(path)] for e in out if len(e) > len(path) and e[: len(path)] == path])
+        if len(sample) >= 1_000:
+            assert_chi_square(sample, want, f"token after {path} ({len(sample)} walks)")
+            tested[len(path)] += 1
+    assert set(tested) >= {0, 1}, dict(tested)
+    assert np.isclose(float(probs[0].sum()), 1.0)
+    assert_wrong_rules_fail(probs, out, emitted)

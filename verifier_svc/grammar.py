@@ -1,0 +1,246 @@
+"""Structured outputs: a request's grammar (xgrammar), its token masks over a step's rows, and the
+pruning of draft nodes the grammar forbids.
+
+A constrained request's every logits row is masked by the grammar state its path reaches: the
+root row (after the request's output) by the request's matcher, tree node i's row by the state
+after the node's ancestors and the node. ``GrammarMatcher.traverse_draft_tree`` walks a whole
+tree in C++ (accept, fill the row, recurse, roll back), so a step costs one call per constrained
+request and no Python per node. Masked logits are -inf where the grammar forbids the token, before
+anything reads them (``logits_controls``), so the greedy and the sampled walks, the device kernel
+and logprobs all see the constrained target distribution p_G(x) ∝ p(x)·[x allowed].
+
+Pruning: a node whose token its parent's row forbids has p_G = 0 there and would always be
+rejected, so it and its subtree are cut before the forward (they cost rows, not output). For
+deterministic drafts the tree stays a function of the context, so acceptance is unchanged. For
+sampled drafts (a node carries the proposal q it was drawn from), a surviving node is a draw from
+q conditioned on the allowed set; its q is restricted to that set (acceptance renormalises it),
+which keeps multi-step speculative sampling exact: survivors are independent draws from the
+restricted proposals, and their number depends only on which draws were allowed.
+
+Compiled grammars are cached by their spec (``GrammarCompiler``); a spec that cannot compile is
+refused naming its field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from specmesh_server.tree import TokenTree
+from verifier_svc.requests import GrammarSpec, InvalidRequest
+
+if TYPE_CHECKING:
+    from specmesh_server.metrics import VerifierMetrics
+
+log = logging.getLogger(__name__)
+
+
+class GrammarCompiler:
+    """Compiles a request's ``GrammarSpec`` for the model's tokenizer, caching the most recent
+    ``cache_size`` compiled grammars by spec (xgrammar's own cache sits below it). Thread-safe."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: set[int],
+        cache_size: int = 256,
+        metrics: VerifierMetrics | None = None,
+    ) -> None:
+        # The model's vocabulary (its logits' width) may exceed the tokenizer's: the rest are never allowed.
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._size, self._lock, self.metrics = cache_size, threading.Lock(), metrics
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec`` (cached); ``InvalidRequest`` naming its field if it does not compile."""
+        with self._lock:
+            if (hit := self._cache.get(spec)) is not None:
+                self._cache.move_to_end(spec)
+                return hit
+        t0 = time.perf_counter()
+        try:
+            compiled = self._compile(spec)
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
+            raise InvalidRequest(spec.field, f"cannot compile: {_first_line(exc)}") from exc
+        if self.metrics is not None:
+            self.metrics.grammar_compiled(spec.kind, time.perf_counter() - t0)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        c, ws = self._compiler, spec.any_whitespace
+        if spec.kind == "json_schema":
+            return c.compile_json_schema(spec.value, any_whitespace=ws, strict_mode=True)
+        if spec.kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=True)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.value)
+        if spec.kind == "choice":
+            return c.compile_grammar(choice_ebnf(spec.choices))
+        return c.compile_grammar(spec.value, root_rule_name="root")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def choice_ebnf(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes are EBNF's).
+
+    >>> choice_ebnf(("yes", 'say "no"'))
+    'root ::= "yes" | "say \\\\"no\\\\""'
+    """
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@dataclass
+class RequestGrammar:
+    """A constrained request's grammar state: its matcher has accepted the request's whole output."""
+
+    matcher: xgr.GrammarMatcher
+    width: int  # bitmask words per row: ceil(vocab / 32)
+    pruned: int = 0  # draft nodes cut so far (``SpeculationMetrics.grammar_pruned_nodes``)
+    rows: torch.Tensor | None = None  # int32 [1 + nodes, W]: this step's masks, root first
+
+    @classmethod
+    def start(cls, compiled: xgr.CompiledGrammar, vocab_size: int) -> RequestGrammar:
+        return cls(xgr.GrammarMatcher(compiled), (vocab_size + 31) // 32)
+
+    def advance(self, tokens: list[int]) -> None:
+        """The request emitted ``tokens`` (each drawn from a masked row, so each is allowed)."""
+        for tok in tokens:
+            if not self.matcher.accept_token(tok):
+                raise RuntimeError(f"the grammar rejected emitted token {tok}: a row was not masked")
+
+
+def tree_links(parents: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The tree in xgrammar's first-child / next-sibling form, node 0 the root and node i + 1
+    ``parents``' node i: (first child, next sibling) int64 [1 + n] each, -1 for none.
+
+    >>> first, sibling = tree_links([-1, 0, -1])   # root → 1 → 2, root → 3
+    >>> first.tolist(), sibling.tolist()
+    ([1, 2, -1, -1], [-1, 3, -1, -1])
+    """
+    n = len(parents)
+    parent = np.asarray(parents, dtype=np.int64) + 1  # [n]: each node's parent, root 0
+    order = np.argsort(parent, kind="stable")  # children grouped by parent, in tree order
+    first = np.full(n + 1, -1, dtype=np.int64)
+    sibling = np.full(n + 1, -1, dtype=np.int64)
+    if n:
+        grouped = parent[order]
+        starts = np.r_[True, grouped[1:] != grouped[:-1]]
+        first[grouped[starts]] = order[starts] + 1
+        same = grouped[1:] == grouped[:-1]
+        sibling[order[:-1][same] + 1] = order[1:][same] + 1
+    return first, sibling
+
+
+def allowed_nodes(rows: torch.Tensor, tokens: list[int], parents: list[int]) -> np.ndarray:
+    """Which tree nodes the grammar allows: node i's token is set in its parent's row. ``rows``
+    int32 [1 + n, W], root first, from a traversal into zeroed rows (a node under a forbidden one
+    was never visited, its row stays 0, so its children fail too: the test is transitive).
+
+    >>> rows = torch.zeros(3, 1, dtype=torch.int32); rows[0, 0] = 0b0110; rows[1, 0] = 0b1000
+    >>> allowed_nodes(rows, [1, 3, 5], [-1, 0, -1]).tolist()   # root allows 1, 2; node 1 allows 3
+    [True, True, False]
+    """
+    if not tokens:
+        return np.zeros(0, dtype=bool)
+    tok = torch.tensor(tokens, dtype=torch.long)
+    words = rows[torch.tensor(parents, dtype=torch.long) + 1, tok >> 5]  # [n]
+    return ((words >> (tok & 31)) & 1).bool().numpy()
+
+
+def prune(tree: TokenTree, keep: np.ndarray, rows: torch.Tensor) -> TokenTree:
+    """``tree`` without the nodes ``keep`` drops (whole subtrees, by ``allowed_nodes``); sampled
+    nodes' proposals restricted to the tokens their parent's row allows.
+
+    >>> rows = torch.full((4, 1), 0b111, dtype=torch.int32)
+    >>> prune(TokenTree([1, 2, 3], [-1, 0, -1]), np.array([True, False, True]), rows)
+    TokenTree(tokens=[1, 3], parents=[-1, -1], dists=None, probs=None)
+    """
+    kept = np.flatnonzero(keep)
+    new_index = np.cumsum(keep) - 1
+    parents = [int(new_index[tree.parents[i]]) if tree.parents[i] >= 0 else -1 for i in kept]
+    dists = None
+    if tree.dists is not None:
+        dists = [_restricted(tree.dists[i], rows[tree.parents[i] + 1]) for i in kept]
+    probs = [tree.probs[i] for i in kept] if tree.probs is not None else None
+    return TokenTree([tree.tokens[i] for i in kept], parents, dists, probs)
+
+
+def _restricted(dist: tuple[list[int], list[float]], row: torch.Tensor) -> tuple[list[int], list[float]]:
+    """A sparse proposal (ids, probs) restricted to the tokens set in the bitmask ``row``."""
+    ids = torch.tensor(dist[0], dtype=torch.long)
+    ok = ((row[ids >> 5] >> (ids & 31)) & 1).bool().tolist()
+    return [i for i, y in zip(dist[0], ok, strict=True) if y], [p for p, y in zip(dist[1], ok, strict=True) if y]
+
+
+def constrain_trees(grammars: list[RequestGrammar | None], trees: list[TokenTree]) -> list[TokenTree]:
+    """Each constrained request's masks for this step (``RequestGrammar.rows``: its root's, then its
+    kept nodes') and its tree without the nodes its grammar forbids; other requests' trees unchanged.
+    One xgrammar call per constrained request (the whole tree in C++), no Python per node."""
+    out = []
+    for g, tree in zip(grammars, trees, strict=True):
+        if g is None:
+            out.append(tree)
+            continue
+        rows = torch.zeros(len(tree) + 1, g.width, dtype=torch.int32)  # [1 + n, W]; unvisited rows stay 0
+        if len(tree):
+            first, sibling = tree_links(tree.parents)
+            draft = torch.tensor([0, *tree.tokens], dtype=torch.int64)  # node 0's token is not read
+            g.matcher.traverse_draft_tree(torch.from_numpy(first), torch.from_numpy(sibling), draft, rows)
+            keep = allowed_nodes(rows, tree.tokens, tree.parents)
+            if not keep.all():
+                g.pruned += int((~keep).sum())
+                tree = prune(tree, keep, rows)
+                rows = rows[torch.from_numpy(np.r_[True, keep])]
+        else:
+            g.matcher.fill_next_token_bitmask(rows)
+        g.rows = rows
+        out.append(tree)
+    return out
+
+
+@dataclass(frozen=True)
+class StepMasks:
+    """The grammar masks of a step's constrained rows."""
+
+    bitmask: torch.Tensor  # int32 [R, W]: one per constrained row
+    rows: torch.Tensor  # int64 [R]: their rows in the step's logits
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Forbidden tokens' logits → -inf, in place. logits: [rows, V]."""
+        sub = logits[self.rows]  # [R, V]
+        xgr.apply_token_bitmask_inplace(sub, self.bitmask.to(sub.device, non_blocking=True))
+        logits[self.rows] = sub
+
+
+def step_masks(grammars: list[RequestGrammar | None], trees: list[TokenTree], device: torch.device) -> StepMasks | None:
+    """The masks of a step whose request i has rows [its root, its tree's nodes] in the logits, from
+    each constrained request's ``rows`` (cut to its tree: the width gate may have shortened it since
+    ``constrain_trees``). None when no request is constrained."""
+    starts = np.cumsum([0, *(len(t) + 1 for t in trees)])
+    picked = [(g.rows[: len(t) + 1], int(s)) for g, t, s in zip(grammars, trees, starts, strict=False) if g is not None]
+    if not picked:
+        return None
+    rows = torch.cat([torch.arange(s, s + len(r)) for r, s in picked]).to(device)
+    return StepMasks(torch.cat([r for r, _ in picked]), rows)
