@@ -43,7 +43,8 @@ def speculation(summaries: Sequence[Summary]) -> dict:
 
     num_spec_steps counts steps that carried a draft; mean_acceptance_length = 1 + accepted /
     num_spec_steps (tokens per drafted step, the bonus included); acceptance_histogram[k] = drafted
-    steps that accepted exactly k tokens (so it sums to num_spec_steps). Over n choices: summed.
+    steps that accepted exactly k tokens (so it sums to num_spec_steps); num_grammar_pruned_nodes: draft
+    nodes a structured output's grammar forbade, cut before the verification forward. Over n choices: summed.
 
     >>> from specmesh.v1 import params_pb2
     >>> m = params_pb2.SpeculationMetrics(steps=5, drafted_tokens=8, accepted_tokens=6,
@@ -54,14 +55,18 @@ def speculation(summaries: Sequence[Summary]) -> dict:
     (3, 3.0, 0.75)
     >>> out["acceptance_histogram"], out["proposers"]["ngram"]["num_accepted_draft_tokens"]
     ([1, 0, 1, 0, 1], 6)
+    >>> speculation([Summary("eos", 5, 11, 0.0, 0.0, params_pb2.SpeculationMetrics(grammar_pruned_nodes=4))] * 2)[
+    ...     "num_grammar_pruned_nodes"]
+    8
     """
     hist: list[int] = []
     proposers: dict[str, dict[str, int]] = {}
-    drafted = accepted = steps = 0
+    drafted = accepted = steps = pruned = 0
     reasons = []
     for s in summaries:
         m = s.speculation
         drafted, accepted, steps = drafted + m.drafted_tokens, accepted + m.accepted_tokens, steps + m.steps
+        pruned += m.grammar_pruned_nodes
         for k, count in enumerate(m.accepted_length_counts):
             hist.extend([0] * (k + 1 - len(hist)))
             hist[k] += count
@@ -81,6 +86,7 @@ def speculation(summaries: Sequence[Summary]) -> dict:
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
         "acceptance_histogram": hist,
         "num_steps": steps,  # every verification step, drafted or not
+        "num_grammar_pruned_nodes": pruned,
         "proposers": proposers,
         "fallback_reason": "; ".join(dict.fromkeys(reasons)) or None,
     }
