@@ -40,7 +40,7 @@ from support import (
     workload_prompts,
 )
 
-from specmesh import Client, SamplingParams, SpecDecodeParams
+from specmesh import Client, SamplingParams, SpecDecodeParams, StructuredOutput
 from specmesh.deploy import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -258,6 +258,45 @@ def test_greedy_with_logits_controls_is_token_identical_through_suffix_trees_at_
     for ids, kw, want in zip(batch[:5], CONTROLLED[:5], plain[:5], strict=True):
         assert_greedy_equal(lm, ids, run(ids, kw, "suffix").token_ids, want.token_ids)
     assert all(200 <= t < 30000 for t in outs[4].token_ids)
+
+
+def test_greedy_under_a_grammar_is_token_identical_through_suffix_trees_at_eight_streams_and_one(cluster, chat_ids, lm):
+    """Eight concurrent greedy streams, four under a JSON schema, two a regex, two a choice list
+    (test_grammar's), through the SDK: decoded plain, then twice through the suffix proposer in a
+    fresh scope (the second pass is proposed from the first's constrained outputs), then one of each
+    alone: all identical and valid; a grammar that cannot compile is INVALID_ARGUMENT naming it."""
+    import grpc
+    from test_grammar import PROMPTS, SCHEMA, SPECS, _check
+
+    scope = f"grammar-{RUN}"
+    kinds = {"json_schema": lambda s: StructuredOutput(json_schema=s.value), "regex": lambda s: StructuredOutput(
+        regex=s.value), "choice": lambda s: StructuredOutput(choice=s.choices)}  # fmt: skip
+    grammars = [kinds[s.kind](s) for s in SPECS]
+    prompts = [chat_ids(p) for p in PROMPTS]
+
+    def run(ids: list[int], grammar: StructuredOutput, proposer: str):
+        with Client(cluster.verifier.address) as client:
+            params = SamplingParams(temperature=0.0, max_tokens=64, structured_output=grammar)
+            return client.complete(ids, params, SpecDecodeParams(proposer, cache_scope=scope))
+
+    with ThreadPoolExecutor(8) as pool:
+        plain = list(pool.map(lambda a: run(*a, "none"), zip(prompts, grammars, strict=True)))
+        for _ in range(2):
+            outs = list(pool.map(lambda a: run(*a, "suffix"), zip(prompts, grammars, strict=True)))
+            for ids, got, want in zip(prompts, outs, plain, strict=True):
+                assert_greedy_equal(lm, ids, got.token_ids, want.token_ids)
+            cluster.a.settled()
+    assert sum(accepted(out, "suffix") for out in outs) > 0, "the constrained outputs were never proposed from"
+    for spec, out in zip(SPECS, plain, strict=True):
+        assert out.summary.finish_reason == "eos"
+        _check(spec, out.text)
+    for i in (0, 4, 6):
+        assert_greedy_equal(lm, prompts[i], run(prompts[i], grammars[i], "suffix").token_ids, plain[i].token_ids)
+    with pytest.raises(grpc.RpcError) as err:
+        run(prompts[0], StructuredOutput(json_schema='{"type": "no-such-type"}'), "suffix")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("sampling.structured_output.json_schema: cannot compile")
+    assert SCHEMA["additionalProperties"] is False
 
 
 # ---------------------------------------------------------------------------------------------
