@@ -405,7 +405,7 @@ class Engine:
         masks = None
         if constrained:
             t0 = time.perf_counter()
-            masks = step_masks(grammars, trees, self.runner.device)
+            masks = step_masks(grammars, trees)
             if self.metrics is not None:
                 self.metrics.grammar_step(t_mask + time.perf_counter() - t0, pruned)
         for seq, tree in zip(seqs, trees, strict=True):  # the pending token and the tree, after the prefix

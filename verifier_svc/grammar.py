@@ -224,23 +224,29 @@ def constrain_trees(grammars: list[RequestGrammar | None], trees: list[TokenTree
 class StepMasks:
     """The grammar masks of a step's constrained rows."""
 
-    bitmask: torch.Tensor  # int32 [R, W]: one per constrained row
-    rows: torch.Tensor  # int64 [R]: their rows in the step's logits
+    bitmask: torch.Tensor  # int32 [rows, W]: row r masks logits row r (unconstrained rows: all ones)
+    rows: list[int]  # the constrained rows
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Forbidden tokens' logits → -inf, in place. logits: [rows, V]."""
-        sub = logits[self.rows]  # [R, V]
-        xgr.apply_token_bitmask_inplace(sub, self.bitmask.to(sub.device, non_blocking=True))
-        logits[self.rows] = sub
+        """Forbidden tokens' logits → -inf, in place, on the constrained rows only (xgrammar's kernel:
+        72 rows of a 49k vocabulary in ~15 ms on 2 cores, where gathering them first took ~60 ms).
+        logits: [rows, V]."""
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=self.rows)
 
 
-def step_masks(grammars: list[RequestGrammar | None], trees: list[TokenTree], device: torch.device) -> StepMasks | None:
+def step_masks(grammars: list[RequestGrammar | None], trees: list[TokenTree]) -> StepMasks | None:
     """The masks of a step whose request i has rows [its root, its tree's nodes] in the logits, from
     each constrained request's ``rows`` (cut to its tree: the width gate may have shortened it since
     ``constrain_trees``). None when no request is constrained."""
-    starts = np.cumsum([0, *(len(t) + 1 for t in trees)])
-    picked = [(g.rows[: len(t) + 1], int(s)) for g, t, s in zip(grammars, trees, starts, strict=False) if g is not None]
+    sizes = [len(t) + 1 for t in trees]
+    picked = [(g, n, s) for g, n, s in zip(grammars, sizes, np.cumsum([0, *sizes]), strict=False) if g is not None]
     if not picked:
         return None
-    rows = torch.cat([torch.arange(s, s + len(r)) for r, s in picked]).to(device)
-    return StepMasks(torch.cat([r for r, _ in picked]), rows)
+    bitmask = torch.full((sum(sizes), picked[0][0].width), -1, dtype=torch.int32)  # [rows, W]
+    rows: list[int] = []
+    for g, n, start in picked:
+        assert g.rows is not None
+        bitmask[start : start + n] = g.rows[:n]
+        rows.extend(range(start, start + n))
+    return StepMasks(bitmask, rows)

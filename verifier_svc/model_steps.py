@@ -81,7 +81,7 @@ def prefill_step(
         grammars = [joining[i].grammar for i in finished]
         if any(g is not None for g in grammars):  # structured outputs: the first token obeys the grammar
             constrain_trees(grammars, [NO_TREE] * len(finished))
-            masks = step_masks(grammars, [NO_TREE] * len(finished), dev)
+            masks = step_masks(grammars, [NO_TREE] * len(finished))
             assert masks is not None
             masks.apply(logits)
         logits = process_logits(logits, reqs, [[]] * len(reqs), [NO_TREE] * len(reqs), set(eos_ids))

@@ -106,8 +106,8 @@ def test_every_tree_nodes_mask_is_the_grammar_state_its_path_reaches_and_forbidd
         assert len(kept) == len(expect_kept), trial
         assert g.pruned == n - len(expect_kept)
         assert [tokens[i] for i in expect_kept] == kept.tokens
-        masks = step_masks([g], [kept], torch.device("cpu"))
-        assert masks.rows.tolist() == list(range(len(kept) + 1))
+        masks = step_masks([g], [kept])
+        assert masks.rows == list(range(len(kept) + 1))
         assert torch.equal(masks.bitmask[0], _fresh_row(compiled, prefix, width))
         for j in range(len(kept)):
             assert torch.equal(masks.bitmask[j + 1], _fresh_row(compiled, prefix + _path(kept, j), width)), trial
@@ -135,7 +135,7 @@ def test_step_masks_apply_to_each_constrained_requests_rows_only(lm, compiler) -
     g = RequestGrammar.start(compiler.compile(CHOICE_SPEC), vocab)
     trees = [TokenTree([5, 6], [-1, 0]), TokenTree([], [])]
     trees = constrain_trees([None, g], trees)
-    masks = step_masks([None, g], trees, torch.device("cpu"))
+    masks = step_masks([None, g], trees)
     logits = torch.zeros(4, vocab)
     masks.apply(logits)
     assert torch.isfinite(logits[:3]).all()  # the free request's root and two nodes
@@ -259,7 +259,7 @@ def test_sampled_acceptance_under_a_grammar_mask_emits_the_constrained_targets_d
     g = RequestGrammar.start(compiled, vocab)
     [kept] = constrain_trees([g], [tree])
     assert g.pruned == 1 and len(kept) == 4  # "yellow" is not a choice
-    masks = step_masks([g], [kept], torch.device("cpu"))
+    masks = step_masks([g], [kept])
     paths = [[]] + [_path(kept, i) for i in range(len(kept))]
 
     with torch.inference_mode():
