@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
 
 import grpc
 
@@ -22,6 +23,7 @@ from specmesh.params import (
     SpecDecodeParams,
     Summary,
     Tokens,
+    Tools,
     build_request,
     build_tokenize_request,
 )
@@ -98,14 +100,17 @@ class Client:
         chat: bool = False,
         request_id: str = "",
         timeout: float | None = None,
+        tools: Tools | None = None,
     ) -> GenerationStream:
-        req = build_request(prompt, sampling, spec, chat, request_id)
+        """``tools``: OpenAI tool objects the chat's template is given (``ChatMessages.tools_json``)."""
+        req = build_request(prompt, sampling, spec, chat, request_id, tools)
         return GenerationStream(self._gen.Generate(req, timeout=timeout, metadata=self._md))
 
     def complete(self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecDecodeParams | None = None,
-                 *, chat: bool = False, timeout: float | None = None) -> Completion:  # fmt: skip
+                 *, chat: bool = False, timeout: float | None = None,
+                 tools: Tools | None = None) -> Completion:  # fmt: skip
         out = Completion()
-        stream = self.generate(prompt, sampling, spec, chat=chat, timeout=timeout)
+        stream = self.generate(prompt, sampling, spec, chat=chat, timeout=timeout, tools=tools)
         for chunk in stream:
             out.add(chunk)
         out.summary = stream.summary
@@ -113,18 +118,19 @@ class Client:
 
     def tokenize(
         self,
-        prompt: str | list[dict[str, str]],
+        prompt: str | list[dict[str, Any]],
         *,
         chat: bool = False,
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
         return_token_strs: bool = False,
         timeout: float | None = None,
+        tools: Tools | None = None,
     ) -> Tokens:
-        """The prompt's token ids as Generate would see them (a chat through the model's template).
-        ``add_special_tokens`` None: the tokenizer's special tokens for text, none beyond the
-        template's for a chat; ``add_generation_prompt`` None: true (chat only)."""
-        req = build_tokenize_request(prompt, chat, add_special_tokens, add_generation_prompt, return_token_strs)
+        """The prompt's token ids as Generate would see them (a chat through the model's template,
+        with ``tools``). ``add_special_tokens`` None: the tokenizer's special tokens for text, none
+        beyond the template's for a chat; ``add_generation_prompt`` None: true (chat only)."""
+        req = build_tokenize_request(prompt, chat, add_special_tokens, add_generation_prompt, return_token_strs, tools)
         return Tokens.from_proto(self._gen.Tokenize(req, timeout=timeout, metadata=self._md), return_token_strs)
 
     def detokenize(self, tokens: Iterable[int], *, timeout: float | None = None) -> str:
@@ -181,10 +187,12 @@ class AsyncClient:
         chat: bool = False,
         request_id: str = "",
         timeout: float | None = None,
+        tools: Tools | None = None,
     ) -> AsyncIterator[Chunk | Summary]:
         """Yields ``Chunk``s, then exactly one ``Summary``. Closing the generator early (or cancelling
-        the task reading it) cancels the RPC, and the verifier frees the request's slot."""
-        req = build_request(prompt, sampling, spec, chat, request_id)
+        the task reading it) cancels the RPC, and the verifier frees the request's slot. ``tools`` as
+        ``Client.generate``'s."""
+        req = build_request(prompt, sampling, spec, chat, request_id, tools)
         call = self._gen.Generate(req, timeout=timeout, metadata=self._md)
         try:
             async for resp in call:
@@ -197,9 +205,9 @@ class AsyncClient:
 
     async def complete(self, prompt: Prompt, sampling: SamplingParams | None = None,
                        spec: SpecDecodeParams | None = None, *, chat: bool = False,
-                       timeout: float | None = None) -> Completion:  # fmt: skip
+                       timeout: float | None = None, tools: Tools | None = None) -> Completion:  # fmt: skip
         out = Completion()
-        async for item in self.generate(prompt, sampling, spec, chat=chat, timeout=timeout):
+        async for item in self.generate(prompt, sampling, spec, chat=chat, timeout=timeout, tools=tools):
             if isinstance(item, Summary):
                 out.summary = item
             else:
@@ -208,16 +216,17 @@ class AsyncClient:
 
     async def tokenize(
         self,
-        prompt: str | list[dict[str, str]],
+        prompt: str | list[dict[str, Any]],
         *,
         chat: bool = False,
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
         return_token_strs: bool = False,
         timeout: float | None = None,
+        tools: Tools | None = None,
     ) -> Tokens:
         """``Client.tokenize`` on asyncio."""
-        req = build_tokenize_request(prompt, chat, add_special_tokens, add_generation_prompt, return_token_strs)
+        req = build_tokenize_request(prompt, chat, add_special_tokens, add_generation_prompt, return_token_strs, tools)
         resp = await self._gen.Tokenize(req, timeout=timeout, metadata=self._md)
         return Tokens.from_proto(resp, return_token_strs)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from specmesh.v1 import generation_pb2, params_pb2
 
@@ -186,7 +188,39 @@ class Completion:
             self.logprobs = [*(self.logprobs or []), *chunk.logprobs]
 
 
-Prompt = str | list[int] | list[dict[str, str]]
+# A chat message is OpenAI's: {"role", "content"}, an assistant's "tool_calls" ([{"id", "type": "function",
+# "function": {"name", "arguments"}}], arguments as JSON text or an object), a tool message's "tool_call_id"
+# and "name".
+Prompt = str | list[int] | list[dict[str, Any]]
+Tools = Sequence[Mapping[str, Any]]  # OpenAI tool objects: {"type": "function", "function": {"name", …}}
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]], tools: Tools | None = None) -> generation_pb2.ChatMessages:
+    """OpenAI-shaped chat messages (content None or absent: empty) and tools as ``ChatMessages``.
+
+    >>> call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    >>> tool = {"type": "function", "function": {"name": "f"}}
+    >>> chat = chat_messages([{"role": "assistant", "content": None, "tool_calls": [call]},
+    ...     {"role": "tool", "content": "2", "tool_call_id": "c1"}], tools=[tool])
+    >>> chat.messages[0].tool_calls[0].arguments, chat.messages[1].tool_call_id, chat.tools_json
+    ('{"x": 1}', 'c1', '[{"type": "function", "function": {"name": "f"}}]')
+    """
+    chat = generation_pb2.ChatMessages(tools_json=json.dumps(list(tools), ensure_ascii=False) if tools else "")
+    for m in messages:
+        calls = []
+        for c in m.get("tool_calls") or ():
+            fn = c["function"]
+            args = fn.get("arguments", "")
+            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            calls.append(generation_pb2.ToolCall(id=c.get("id") or "", name=fn["name"], arguments=args))
+        chat.messages.add(
+            role=m["role"],
+            content=m.get("content") or "",
+            tool_calls=calls,
+            tool_call_id=m.get("tool_call_id") or "",
+            name=m.get("name") or "",
+        )
+    return chat
 
 
 def build_request(
@@ -195,8 +229,10 @@ def build_request(
     spec: SpecDecodeParams | None,
     chat: bool,
     request_id: str = "",
+    tools: Tools | None = None,
 ) -> generation_pb2.GenerateRequest:
-    """str → text (or a single user turn when ``chat``); list[int] → token ids; list[dict] → chat."""
+    """str → text (or a single user turn when ``chat``); list[int] → token ids; list[dict] → chat.
+    ``tools`` (OpenAI tool objects) go with a chat only."""
     req = generation_pb2.GenerateRequest(
         sampling=(sampling or SamplingParams()).to_proto(),
         spec_decode=(spec or SpecDecodeParams()).to_proto(),
@@ -204,7 +240,7 @@ def build_request(
     )
     if isinstance(prompt, str):
         if chat:
-            req.chat.messages.add(role="user", content=prompt)
+            req.chat.CopyFrom(chat_messages([{"role": "user", "content": prompt}], tools))
         else:
             req.text = prompt
     elif not prompt:  # empty: the server answers INVALID_ARGUMENT naming the field
@@ -212,8 +248,9 @@ def build_request(
     elif all(isinstance(t, int) for t in prompt):
         req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     else:
-        for m in prompt:
-            req.chat.messages.add(role=m["role"], content=m["content"])  # type: ignore[index]
+        req.chat.CopyFrom(chat_messages(prompt, tools))  # type: ignore[arg-type]
+    if tools and req.WhichOneof("input") != "chat":
+        raise ValueError("tools go with a chat prompt (messages, or a string with chat=True)")
     return req
 
 
@@ -232,25 +269,26 @@ class Tokens:
 
 
 def build_tokenize_request(
-    prompt: str | list[dict[str, str]],
+    prompt: str | list[dict[str, Any]],
     chat: bool,
     add_special_tokens: bool | None = None,
     add_generation_prompt: bool | None = None,
     return_token_strs: bool = False,
+    tools: Tools | None = None,
 ) -> generation_pb2.TokenizeRequest:
-    """str → text (or a single user turn when ``chat``); list[dict] → chat. ``None`` leaves a flag to
-    the server: special tokens for text, none beyond the template's for a chat; a generation prompt."""
+    """str → text (or a single user turn when ``chat``); list[dict] → chat (with ``tools``, a chat's
+    only). ``None`` leaves a flag to the server: special tokens for text, none beyond the template's
+    for a chat; a generation prompt."""
     req = generation_pb2.TokenizeRequest(
         add_special_tokens=add_special_tokens,
         add_generation_prompt=add_generation_prompt,
         return_token_strs=return_token_strs,
     )
     if isinstance(prompt, str) and not chat:
+        if tools:
+            raise ValueError("tools go with a chat prompt (messages, or a string with chat=True)")
         req.text = prompt
-    elif isinstance(prompt, str):
-        req.chat.messages.add(role="user", content=prompt)
     else:  # an empty list: the server answers INVALID_ARGUMENT naming the field
-        req.chat.SetInParent()
-        for m in prompt:
-            req.chat.messages.add(role=m["role"], content=m["content"])
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        req.chat.CopyFrom(chat_messages(messages, tools))
     return req
