@@ -19,6 +19,7 @@ import torch
 from specmesh.v1 import generation_pb2
 from specmesh_router.policy import PolicyLimits
 from specmesh_server.sampling import GREEDY_BELOW
+from verifier_svc.chat_tools import ChatError, template_inputs
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
@@ -30,7 +31,7 @@ MAX_SCOPE_CHARS = 128  # a cache_scope: room for the gateway's 17-character tena
 MAX_REQUEST_ID_CHARS = 256
 MAX_GRAMMAR_BYTES = 1 << 16  # a structured output's schema, regex, grammar or choices, in UTF-8 bytes
 BUILTIN_PROPOSERS = ("ngram", "suffix", "draft", "rag", "head")
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 class InvalidRequest(ValueError):
@@ -292,7 +293,7 @@ def _prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: Any, limits: Req
             raise InvalidRequest("input.token_ids", "empty prompt")
         check_vocab("input.token_ids", ids, limits.vocab_size)
     else:
-        if all(not m.content for m in msg.chat.messages):
+        if all(not m.content and not m.tool_calls for m in msg.chat.messages):
             raise InvalidRequest("input.chat", "empty prompt: no message content")
         ids = chat_ids(msg.chat, tokenizer, limits)
     if not ids:
@@ -315,19 +316,26 @@ def chat_ids(
     """A conversation's token ids: the model's chat template (``apply_chat_template(..., tokenize=True)``,
     no special tokens beyond the template's), as Generate and Tokenize render it; with
     ``add_special_tokens``, the rendered text encoded with the tokenizer's special tokens (vLLM's
-    ``add_special_tokens`` for a chat)."""
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    if not messages:
+    ``add_special_tokens`` for a chat). Tools, tool calls and tool results: ``chat_tools``."""
+    if not chat.messages:
         raise InvalidRequest("input.chat", "no messages")
-    if bad_roles := {m["role"] for m in messages} - CHAT_ROLES:
+    if bad_roles := {m.role for m in chat.messages} - CHAT_ROLES:
         raise InvalidRequest("input.chat", f"unknown role {sorted(bad_roles)[0]!r}")
-    check_size("input.chat", sum(len(m["content"].encode("utf-8")) for m in messages), limits)
+    calls = [c.arguments for m in chat.messages for c in m.tool_calls]
+    texts = [chat.tools_json, *(m.content for m in chat.messages), *calls]
+    check_size("input.chat", sum(len(t.encode("utf-8")) for t in texts), limits)
+    try:
+        messages, tools = template_inputs(chat, tokenizer.chat_template)
+    except ChatError as exc:
+        raise InvalidRequest(exc.field, exc.reason) from None
     try:
         if add_special_tokens:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
             return list(tokenizer.encode(text, add_special_tokens=True))
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
     except Exception as exc:  # template errors are the request's fault (e.g. role order)
         raise InvalidRequest("input.chat", f"chat template failed: {exc}") from exc

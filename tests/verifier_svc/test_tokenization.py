@@ -72,7 +72,7 @@ def test_detokenize_is_the_tokenizers_decode_and_round_trips(tokenizer):
         (generation_pb2.TokenizeRequest(text=""), "input.text", "empty"),
         (generation_pb2.TokenizeRequest(text="x" * 1001), "input.text", "1001 bytes"),
         (generation_pb2.TokenizeRequest(chat=generation_pb2.ChatMessages()), "input.chat", "no messages"),
-        (generation_pb2.TokenizeRequest(chat=_chat([("tool", "hi")])), "input.chat", "unknown role 'tool'"),
+        (generation_pb2.TokenizeRequest(chat=_chat([("robot", "hi")])), "input.chat", "unknown role 'robot'"),
         (generation_pb2.TokenizeRequest(chat=_chat([("user", "é" * 501)])), "input.chat", "1002 bytes"),
     ],
 )
