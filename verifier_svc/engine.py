@@ -392,13 +392,17 @@ class Engine:
         grammars = [s.grammar for s in seqs]
         constrained = any(g is not None for g in grammars)
         t_mask, pruned = 0.0, 0
+        # Speculating requests' trees may gain their grammar's forced continuation, within the step's
+        # room and the context.
+        room = self.config.step_room - 1
+        rooms = [min(room, self.max_context - s.length - 1) if s.speculation.session is not None else 0 for s in seqs]
 
         def constrain(trees: list[TokenTree]) -> list[TokenTree]:  # the grammars' masks, and their pruning
             nonlocal t_mask, pruned
-            t0 = time.perf_counter()
-            out = constrain_trees(grammars, trees)
+            t0, before = time.perf_counter(), sum(g.pruned for g in grammars if g is not None)
+            out = constrain_trees(grammars, trees, rooms)
             t_mask += time.perf_counter() - t0
-            pruned += sum(len(a) - len(b) for a, b in zip(trees, out, strict=True))
+            pruned += sum(g.pruned for g in grammars if g is not None) - before
             return out
 
         trees = self.speculation.collect_trees(seqs, self.max_context, constrain if constrained else None)

@@ -23,11 +23,14 @@ refused naming its field.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
     from specmesh_server.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
+MAX_FORCED = 16  # tokens of a grammar's forced continuation drafted in one step
 
 
 class GrammarCompiler:
@@ -64,6 +68,13 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
         self._size, self._lock, self.metrics = cache_size, threading.Lock(), metrics
+        # Forced continuations are encoded on the engine thread with a tokenizer of its own (a fast
+        # tokenizer's settings must not change under another thread's call); they repeat (JSON keys).
+        raw = copy.deepcopy(getattr(tokenizer, "backend_tokenizer", None) or tokenizer)
+        if hasattr(tokenizer, "backend_tokenizer"):
+            self.encode = functools.lru_cache(4096)(lambda text: tuple(raw.encode(text, add_special_tokens=False).ids))
+        else:
+            self.encode = functools.lru_cache(4096)(lambda text: tuple(raw.encode(text, add_special_tokens=False)))
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The compiled grammar of ``spec`` (cached); ``InvalidRequest`` naming its field if it does not compile."""
@@ -117,12 +128,25 @@ class RequestGrammar:
 
     matcher: xgr.GrammarMatcher
     width: int  # bitmask words per row: ceil(vocab / 32)
+    # Text → token ids, for the forced continuation's drafts (``forced_tokens``); None: no such drafts.
+    encode: Callable[[str], tuple[int, ...]] | None = None
     pruned: int = 0  # draft nodes cut so far (``SpeculationMetrics.grammar_pruned_nodes``)
+    forced: int = 0  # draft nodes the grammar's forced continuation added so far
     rows: torch.Tensor | None = None  # int32 [1 + nodes, W]: this step's masks, root first
 
     @classmethod
-    def start(cls, compiled: xgr.CompiledGrammar, vocab_size: int) -> RequestGrammar:
-        return cls(xgr.GrammarMatcher(compiled), (vocab_size + 31) // 32)
+    def start(
+        cls, compiled: xgr.CompiledGrammar, vocab_size: int, encode: Callable[[str], tuple[int, ...]] | None = None
+    ) -> RequestGrammar:
+        return cls(xgr.GrammarMatcher(compiled), (vocab_size + 31) // 32, encode)
+
+    def forced_tokens(self, limit: int) -> tuple[int, ...]:
+        """The text the grammar forces next (e.g. ``", "topic": "`` after a JSON string closes), as at
+        most ``limit`` tokens: drafts no proposer needs to guess. Empty where the next token is free."""
+        if self.encode is None or limit <= 0:
+            return ()
+        text = self.matcher.find_jump_forward_string()
+        return self.encode(text)[:limit] if text else ()
 
     def advance(self, tokens: list[int]) -> None:
         """The request emitted ``tokens`` (each drawn from a masked row, so each is allowed)."""
@@ -194,15 +218,53 @@ def _restricted(dist: tuple[list[int], list[float]], row: torch.Tensor) -> tuple
     return [i for i, y in zip(dist[0], ok, strict=True) if y], [p for p, y in zip(dist[1], ok, strict=True) if y]
 
 
-def constrain_trees(grammars: list[RequestGrammar | None], trees: list[TokenTree]) -> list[TokenTree]:
+def graft(tree: TokenTree, chain: tuple[int, ...] | list[int], room: int) -> tuple[TokenTree, int]:
+    """``tree`` with the path ``chain`` from the root where it is not already (a trie insert), within
+    ``room`` nodes in all, and the nodes added. New nodes are deterministic drafts (a one-hot
+    proposal where the tree's nodes carry proposals; the parent's path probability where they carry
+    those: the grammar makes them certain).
+
+    >>> graft(TokenTree([5, 6], [-1, 0]), [5, 7, 8], room=9)
+    (TokenTree(tokens=[5, 6, 7, 8], parents=[-1, 0, 0, 2], dists=None, probs=None), 2)
+    >>> graft(TokenTree([], []), [3, 4, 5], room=2)[0].tokens
+    [3, 4]
+    """
+    tokens, parents = np.asarray(tree.tokens, dtype=np.int64), np.asarray(tree.parents, dtype=np.int64)
+    node, at = -1, 0
+    while at < len(chain):  # descend while the tree already has the chain's next token
+        hit = np.flatnonzero((parents == node) & (tokens == chain[at]))
+        if not len(hit):
+            break
+        node, at = int(hit[0]), at + 1
+    new = list(chain[at : at + max(room - len(tree), 0)])
+    if not new:
+        return tree, 0
+    n = len(tree)
+    new_parents = [node, *range(n, n + len(new) - 1)]
+    dists = None if tree.dists is None else [*tree.dists, *(([t], [1.0]) for t in new)]
+    probs = None
+    if tree.probs is not None:
+        probs = [*tree.probs, *([tree.probs[node] if node >= 0 else 1.0] * len(new))]
+    return TokenTree([*tree.tokens, *new], [*tree.parents, *new_parents], dists, probs), len(new)
+
+
+def constrain_trees(
+    grammars: list[RequestGrammar | None], trees: list[TokenTree], rooms: list[int] | None = None
+) -> list[TokenTree]:
     """Each constrained request's masks for this step (``RequestGrammar.rows``: its root's, then its
     kept nodes') and its tree without the nodes its grammar forbids; other requests' trees unchanged.
-    One xgrammar call per constrained request (the whole tree in C++), no Python per node."""
+    ``rooms[i]`` > 0: request i speculates, and its tree first gains the text its grammar forces next
+    (``forced_tokens``, ``graft``) within that many nodes. One xgrammar call per constrained request
+    (the whole tree in C++), no Python per node."""
     out = []
-    for g, tree in zip(grammars, trees, strict=True):
+    for i, (g, tree) in enumerate(zip(grammars, trees, strict=True)):
         if g is None:
             out.append(tree)
             continue
+        room = rooms[i] if rooms is not None else 0
+        if room > len(tree) and (chain := g.forced_tokens(min(room, MAX_FORCED))):
+            tree, added = graft(tree, chain, room)
+            g.forced += added
         rows = torch.zeros(len(tree) + 1, g.width, dtype=torch.int32)  # [1 + n, W]; unvisited rows stay 0
         if len(tree):
             first, sibling = tree_links(tree.parents)

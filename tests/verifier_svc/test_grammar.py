@@ -130,6 +130,22 @@ def test_sampled_nodes_proposals_are_restricted_to_what_their_parent_allows(lm, 
     assert kept.dists == [([pos, neg], [0.5, 0.2])] * 2
 
 
+def test_a_speculating_requests_tree_gains_the_text_its_grammar_forces_next(lm, compiler) -> None:
+    """After ``{"answer": "It is four.", "`` the schema forces ``topic": "``: its tokens are grafted onto
+    the proposer's tree (a plain request's tree, room 0, is left alone) and pass the grammar."""
+    tok, vocab = lm.tokenizer, lm.model.config.vocab_size
+    g = RequestGrammar.start(compiler.compile(JSON_SPEC), vocab, compiler.encode)
+    g.advance(tok.encode('{"answer": "It is four.", "', add_special_tokens=False))
+    forced = list(compiler.encode('topic": "'))
+    ngram = TokenTree([forced[0], 999], [-1, 0])  # right first token, then a wrong one
+    [plain] = constrain_trees([g], [ngram], rooms=[0])
+    assert plain.tokens == [forced[0]] and g.forced == 0  # 999 pruned, nothing added
+    [grafted] = constrain_trees([g], [ngram], rooms=[8])
+    assert grafted.tokens == [forced[0], *forced[1:]] and grafted.parents == [-1, *range(len(forced) - 1)]
+    assert g.forced == len(forced) - 1
+    assert tok.decode(grafted.tokens) == 'topic": "'
+
+
 def test_step_masks_apply_to_each_constrained_requests_rows_only(lm, compiler) -> None:
     vocab = lm.model.config.vocab_size
     g = RequestGrammar.start(compiler.compile(CHOICE_SPEC), vocab)
@@ -177,14 +193,20 @@ def _run(eng, compiler, prompts, specs, n: int, speculate: bool, temperature: fl
 
     limits = ProposerLimits(vocab_size=eng.runner.vocab_size, max_nodes=16, max_depth=8)
     got = [_Collector() for _ in prompts]
+    grammars = []
     for i, (ids, spec) in enumerate(zip(prompts, specs, strict=True)):
         sp = SpecParams("ngram", 0, 0, "", "") if speculate else NO_SPEC
         req = GenerationRequest(f"r{i}", ids, temperature, 1.0, 0, seed + i, n, (), False, sp, structured_output=spec)
         session = LocalProposerSession("ngram", ids, limits, eng.speculation.trees_arrived) if speculate else None
-        grammar = RequestGrammar.start(compiler.compile(spec), eng.runner.vocab_size)
+        grammar = RequestGrammar.start(compiler.compile(spec), eng.runner.vocab_size, compiler.encode)
         eng.submit(req, got[i], RequestSpeculation.start(session), grammar)
+        grammars.append(grammar)
     assert all(c.done.wait(300) for c in got)
+    FORCED.append(sum(g.forced for g in grammars))
     return [c.tokens for c in got]
+
+
+FORCED: list[int] = []  # per _run: draft nodes the grammars' forced continuations added
 
 
 def _text(lm, tokens: list[int]) -> str:
@@ -206,7 +228,9 @@ def test_greedy_under_a_grammar_is_identical_with_ngram_speculation_on_and_off_a
     prompts = [chat_ids(p) for p in PROMPTS]
     n = 64
     plain = _run(eng, compiler, prompts, SPECS, n, False)
+    assert FORCED[-1] == 0  # plain decoding drafts nothing, not even what the grammar forces
     spec = _run(eng, compiler, prompts, SPECS, n, True)
+    assert FORCED[-1] > 0
     for ids, s, a, b in zip(prompts, SPECS, plain, spec, strict=True):
         assert_greedy_equal(lm, ids, b, a)
         assert a[-1] == 2, _text(lm, a)  # the grammar completed (then only EOS is allowed)
