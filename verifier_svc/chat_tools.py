@@ -91,12 +91,14 @@ def message_dicts(chat: generation_pb2.ChatMessages) -> list[dict[str, Any]]:
 
 
 def _call(where: str, c: generation_pb2.ToolCall) -> dict[str, Any]:
+    """One call; arguments that are not JSON (a call cut short at max_tokens, replayed) stay text,
+    as OpenAI's API takes any string there."""
     if not c.name:
         raise ChatError(f"{where}.name", "a tool call names its function")
     try:
         arguments = json.loads(c.arguments) if c.arguments.strip() else {}
-    except ValueError as exc:
-        raise ChatError(f"{where}.arguments", f"not valid JSON: {exc}") from None
+    except ValueError:
+        arguments = c.arguments
     return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": arguments}}
 
 
@@ -173,8 +175,17 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]])
 
 
 def _hermes_call(function: dict[str, Any]) -> str:
-    call = json.dumps({"name": function["name"], "arguments": function["arguments"]}, ensure_ascii=False)
-    return f"<tool_call>\n{call}\n</tool_call>"
+    """A call as the model would have written it (arguments that are not JSON: as they were).
+
+    >>> print(_hermes_call({"name": "f", "arguments": '{"x": '}))
+    <tool_call>
+    {"name": "f", "arguments": {"x": }
+    </tool_call>
+    """
+    args = function["arguments"]
+    args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    name = json.dumps(function["name"], ensure_ascii=False)
+    return f'<tool_call>\n{{"name": {name}, "arguments": {args}}}\n</tool_call>'
 
 
 def template_inputs(

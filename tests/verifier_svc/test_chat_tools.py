@@ -100,8 +100,8 @@ def test_without_tools_a_chat_with_calls_still_renders_them_and_without_either_i
     [
         ([{"role": "user", "content": "x"}], "[{", "input.chat.tools_json"),
         ([{"role": "user", "content": "x"}], '{"a": 1}', "input.chat.tools_json"),
-        ([{"role": "assistant", "content": "", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{"}}]}],
-         "", "input.chat.messages.0.tool_calls.0.arguments"),
+        ([{"role": "assistant", "content": "", "tool_calls": [{**CALL, "function": {"name": "", "arguments": "{}"}}]}],
+         "", "input.chat.messages.0.tool_calls.0.name"),
         ([{"role": "user", "content": "x", "tool_calls": [CALL]}], "", "input.chat.messages.0.tool_calls"),
         ([{"role": "user", "content": "x", "name": "al"}], "", "input.chat.messages.0.name"),
         ([{"role": "assistant", "content": "x", "tool_call_id": "c"}], "", "input.chat.messages.0.tool_call_id"),
@@ -142,3 +142,11 @@ def test_a_template_with_tool_support_renders_them_itself_with_parsed_arguments(
 def test_a_tool_call_without_content_is_a_prompt(tokenizer):
     msg = client_request([{"role": "assistant", "content": None, "tool_calls": [CALL]}], None, None, True)
     assert "<tool_call>" in tokenizer.decode(build_request(msg, tokenizer, LIMITS).prompt_ids)
+
+
+def test_arguments_that_are_not_json_stay_text_as_the_model_wrote_them(tokenizer):
+    cut = {**CALL, "function": {"name": "get_weather", "arguments": '{"city": "Par'}}  # cut at max_tokens
+    chat = _chat([{"role": "user", "content": "?"}, {"role": "assistant", "content": None, "tool_calls": [cut]}])
+    assert message_dicts(chat)[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Par'
+    text = tokenizer.decode(chat_ids(chat, tokenizer, LIMITS))
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par}\n</tool_call>' in text
