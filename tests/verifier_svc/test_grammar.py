@@ -251,13 +251,29 @@ def test_greedy_under_a_grammar_is_identical_with_ngram_speculation_on_and_off_a
 
 
 @pytest.mark.slow
-def test_sampled_outputs_under_a_schema_with_speculation_all_validate(lm, chat_ids, engine_factory, compiler):
+def test_sampled_outputs_under_a_schema_with_speculation_all_validate_and_metrics_count_grammar_work(
+    lm, chat_ids, engine_factory
+):
+    """Eight sampled streams (temperature 0.8) under a schema with n-gram speculation: every output
+    validates; /metrics' series count the compile, every step's mask time and the pruned nodes."""
+    from prometheus_client import CollectorRegistry
+
+    from specmesh_server.metrics import VerifierMetrics
+
+    registry = CollectorRegistry()
+    metrics = VerifierMetrics(registry, model="m")
+    compiler = GrammarCompiler(lm.tokenizer, lm.model.config.vocab_size, {2}, metrics=metrics)
     eng = engine_factory()
+    eng.metrics = metrics
     prompts = [chat_ids(p) for p in PROMPTS[:4]] * 2
     outs = _run(eng, compiler, prompts, [JSON_SPEC] * 8, 96, True, temperature=0.8, seed=7)
     for out in outs:
         assert out[-1] == 2
         _check(JSON_SPEC, _text(lm, out))
+    value = lambda name, **labels: registry.get_sample_value(name, {"model": "m", **labels})  # noqa: E731
+    assert value("specmesh_grammar_compile_seconds_count", kind="json_schema") == 1  # then cached
+    assert value("specmesh_grammar_mask_seconds_count") >= len(outs[0]) // 2
+    assert value("specmesh_grammar_pruned_nodes_total") is not None
 
 
 @pytest.mark.slow
