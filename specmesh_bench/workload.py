@@ -19,7 +19,10 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specmesh_bench.structured import Structured
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "specbench_offline_dev.jsonl"
 WORKLOADS = DEFAULT_WORKLOAD.parent
@@ -41,6 +44,7 @@ class BenchPrompt:
     token_ids: tuple[int, ...]
     turn: int = 1  # which user turn of its row this prompt ends with
     turns: tuple[str, ...] = ()  # every user turn of its row
+    structured: Structured | None = None  # what the output must be (``--structured``); None: free text
 
 
 def read_rows(path: Path) -> list[dict]:
