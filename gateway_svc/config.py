@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from gateway_svc.tool_parsers import DEFAULT_PARSER, PARSERS
 from specmesh_server.auth import token_file
 from specmesh_server.flags import ServiceFlags
 
@@ -25,6 +26,7 @@ class GatewayConfig:
     verifier_tls_cert: str = ""  # client certificate for a verifier that requires mutual TLS; "" = tls_cert
     verifier_tls_key: str = ""
     verifier_token: str = field(default="", repr=False)  # the gateway's own token on the verifier
+    tool_call_parser: str = DEFAULT_PARSER  # how tool_choice auto reads calls out of the model's text
 
 
 def build_flags() -> ServiceFlags:
@@ -71,6 +73,15 @@ def build_flags() -> ServiceFlags:
         "file of the token the gateway sends to the verifier (its --auth-token-file); empty = none",
         metavar="FILE",
     )
+    f.add(
+        "--tool-call-parser",
+        DEFAULT_PARSER,
+        str,
+        "how tool_choice auto reads tool calls out of the model's text: the format its family writes "
+        "(hermes: <tool_call> blocks, Qwen2.5, Hermes, SmolLM2, the default model's Hermes rendering; "
+        "llama3_json: Llama 3.1/3.2 JSON calls; pythonic: [f(x=1)], Llama 3.2/4)",
+        choices=tuple(PARSERS),
+    )
     return f
 
 
@@ -99,4 +110,5 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         verifier_tls_cert=a.verifier_tls_cert,
         verifier_tls_key=a.verifier_tls_key,
         verifier_token=verifier_token[0] if verifier_token else "",
+        tool_call_parser=a.tool_call_parser,
     )

@@ -15,6 +15,7 @@ import grpc
 # prompt_logprobs go by the names the endpoint gives them: ``param_of``).
 _FIELD_PARAMS = {
     "input.chat": "messages",
+    "input.chat.tools_json": "tools",
     "input.text": "prompt",
     "input.token_ids": "prompt",
     "request_id": "request_id",
@@ -85,6 +86,8 @@ def param_of(
     'logit_bias'
     >>> param_of("spec_decode.proposer 'x' refused the request: …", "max_tokens", "logprobs")
     'spec_decode.proposer'
+    >>> param_of("input.chat.messages.2.tool_calls.0.name: a tool call names its function", "max_tokens", "logprobs")
+    'messages.2.tool_calls.0.name'
     >>> param_of("sampling.structured_output.regex: bad", "max_tokens", "logprobs", "logprobs", "guided_regex")
     'guided_regex'
     """
@@ -102,6 +105,8 @@ def param_of(
         return field.removeprefix("sampling.")
     if field.startswith("spec_decode."):
         return field
+    if field.startswith("input.chat.messages."):  # a chat message's field, as the client named it
+        return field.removeprefix("input.chat.")
     return _FIELD_PARAMS.get(field)
 
 

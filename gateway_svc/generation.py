@@ -27,6 +27,8 @@ from gateway_svc.logprob_shapes import chat_logprobs, completion_logprobs, joine
 from gateway_svc.metrics import GatewayMetrics
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest
 from gateway_svc.responses import finish, speculation, usage_of
+from gateway_svc.tool_calls import ToolReader, message
+from gateway_svc.tools import ToolPlan
 from gateway_svc.upstream import Gateway, ModelInfo
 from specmesh.params import Prompt, SpecDecodeParams, Summary
 
@@ -58,15 +60,19 @@ async def generate(
     chat: bool,
     params: dict,
     spec: SpecDecodeParams,
+    tools: ToolPlan | None = None,
 ) -> Response:
-    """Open the request's choices (refusals raise ApiError before any byte is sent) and answer."""
+    """Open the request's choices (refusals raise ApiError before any byte is sent) and answer;
+    ``tools``: a chat's tool calling (its grammar sent, its calls read out of each choice's text)."""
     m = gw.metrics
     endpoint = f"/v1/{'chat/' if chat else ''}completions"
     rid = body.response_id(uuid.uuid4().hex)
     t0 = time.perf_counter()
     m.in_flight.inc()
     try:
-        choices = await gw.open(prompts, chat, body.n, body.sampling_for, spec, rid, params)
+        sampling_for = tools.sampling_for(body.sampling_for) if tools else body.sampling_for
+        tool_list = list(tools.tools) if tools else None
+        choices = await gw.open(prompts, chat, body.n, sampling_for, spec, rid, params, tool_list)
     except BaseException:
         m.in_flight.dec()
         raise
@@ -92,6 +98,10 @@ async def generate(
         m.requests.labels(endpoint, "200").inc()
         m.latency.labels(endpoint, "false").observe(time.perf_counter() - t0)
         out = [_choice(c, views[c.index // body.n], body) for c in choices]
+        for choice, c in zip(out, choices, strict=True):
+            if tools and (reader := tools.reader()) is not None:  # the text as content and tool calls
+                choice["message"] = message([*reader.feed(c.text), *reader.finish()])
+                choice["finish_reason"] = reader.finish_reason(choice["finish_reason"])
         extra = {"prompt_logprobs": views[0].prompt_logprobs} if chat and body.prompt_logprobs is not None else {}
         return JSONResponse(
             {
@@ -104,7 +114,8 @@ async def generate(
             }
         )
     m.requests.labels(endpoint, "200").inc()
-    stream = _events(m, choices, views, head, body, params, endpoint, t0)
+    readers = {c.index: tools.reader() for c in choices} if tools else {}
+    stream = _events(m, choices, views, head, body, params, endpoint, t0, readers)
     return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -136,6 +147,7 @@ async def _events(
     params: dict,
     endpoint: str,
     t0: float,
+    readers: dict[int, ToolReader | None],
 ) -> AsyncIterator[bytes]:
     chat, want_logprobs, n = isinstance(body, ChatCompletionRequest), body.wants_logprobs, body.n
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -158,8 +170,13 @@ async def _events(
                 offsets[c.index] = len(text)
         async for c, item in merged(choices):
             c.take(item)
+            reader = readers.get(c.index)
             if isinstance(item, Summary):
                 fin = {"index": c.index, **finish(item)}
+                if reader is not None:  # what the tool-call reader held back, then its finish reason
+                    for delta in reader.finish():
+                        yield event({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
+                    fin["finish_reason"] = reader.finish_reason(fin["finish_reason"])
                 fin.update({"delta": {}, "logprobs": None} if chat else {"text": "", "logprobs": None})
                 yield event(fin)
                 continue
@@ -173,7 +190,12 @@ async def _events(
             if want_logprobs and item.logprobs:
                 lp = chat_logprobs(item.logprobs) if chat else completion_logprobs(item.logprobs, offsets[c.index])
             offsets[c.index] += len(item.text)
-            if chat:
+            if reader is not None:  # content and tool-call deltas (none yet: the logprobs alone)
+                for k, delta in enumerate(reader.feed(item.text) or ([{}] if lp else [])):
+                    yield event(
+                        {"index": c.index, "delta": delta, "logprobs": None if k else lp, "finish_reason": None}
+                    )
+            elif chat:
                 yield event({"index": c.index, "delta": {"content": item.text}, "logprobs": lp, "finish_reason": None})
             else:
                 yield event({"index": c.index, "text": item.text, "logprobs": lp, "finish_reason": None})

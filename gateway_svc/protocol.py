@@ -23,6 +23,9 @@ from gateway_svc import sampling_checks as checks
 from gateway_svc import structured
 from gateway_svc.errors import RequestError
 from gateway_svc.messages import Message
+from gateway_svc.tool_parsers import DEFAULT_PARSER
+from gateway_svc.tools import ToolPlan
+from gateway_svc.tools import plan as plan_tools
 from specmesh.params import SamplingParams, SpecDecodeParams
 
 __all__ = ["NO_EFFECT", "REFUSED", "ChatCompletionRequest", "CompletionRequest", "Message", "RequestError"]
@@ -51,14 +54,12 @@ def _only(*values: Any) -> Callable[[Any, dict, bool], bool]:
 
 
 _NO_WHITESPACE = "JSON whitespace is compact or any (structured_outputs.disable_any_whitespace), not a pattern"
-_NO_TOOLS = "tool and function calling is not supported"
+_NO_TOOLS = "the legacy function-calling fields are not supported (tools and tool_choice are)"
 _NO_MEDIA = "this server generates text from text only"
 _VLLM_ENGINE = "a vLLM engine feature this server does not have"
 # Known fields this server cannot honour: name → why, and the values that ask for nothing else.
 REFUSED: dict[str, Refusal] = {
     # OpenAI's
-    "tools": Refusal(_NO_TOOLS),
-    "tool_choice": Refusal(_NO_TOOLS, _only("none")),
     "functions": Refusal(_NO_TOOLS),
     "function_call": Refusal(_NO_TOOLS, _only("none")),
     "suffix": Refusal("insertion (text after the completion) is not supported", _only("")),
@@ -118,9 +119,7 @@ REFUSED: dict[str, Refusal] = {
     "vllm_xargs": Refusal("vLLM engine extensions are not supported"),
 }
 # Accepted, with no effect on the output: labels and hints for OpenAI's own services.
-NO_EFFECT = frozenset(
-    {"user", "safety_identifier", "prompt_cache_key", "metadata", "session_id", "parallel_tool_calls"}
-)
+NO_EFFECT = frozenset({"user", "safety_identifier", "prompt_cache_key", "metadata", "session_id"})
 
 
 class _Body(BaseModel):
@@ -309,7 +308,10 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    parallel_tool_calls: bool | None = None  # NO_EFFECT: tools are refused
+    # tool calling (gateway_svc/tools.py)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
 
     @property
     def max_tokens_param(self) -> str:
@@ -326,9 +328,15 @@ class ChatCompletionRequest(_Generation):
                 raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        self.tool_plan()
 
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+    def tool_plan(self, parser: str = DEFAULT_PARSER) -> ToolPlan | None:
+        """The request's tool calling, calls read by ``parser`` (None: no tools); a 400 naming a bad field."""
+        grammar = self.grammar.output if self.grammar else None
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser, grammar)
+
+    def chat(self) -> list[dict[str, Any]]:
+        return [m.chat(i) for i, m in enumerate(self.messages)]
 
     @property
     def wants_logprobs(self) -> bool:

@@ -22,4 +22,7 @@ async def chat_completions(
     info = await gw.check_model(body.model)
     params = {"max_tokens_param": body.max_tokens_param, "logprobs_param": "top_logprobs"}
     params["structured_output_param"] = body.structured_output_param
-    return await generate(gw, body, info, [body.chat()], True, params, request_spec(body, request))
+    tools = body.tool_plan(gw.config.tool_call_parser)
+    if tools and tools.forced:  # a schema the verifier cannot compile came from the tools
+        params["structured_output_param"] = "tools"
+    return await generate(gw, body, info, [body.chat()], True, params, request_spec(body, request), tools)

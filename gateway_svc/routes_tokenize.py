@@ -3,10 +3,10 @@
 The bodies are vLLM's (``TokenizeCompletionRequest`` / ``TokenizeChatRequest``, told apart by
 ``messages``; ``DetokenizeRequest``) and so are the answers (``{count, max_model_len, tokens,
 token_strs}``; ``{prompt}``). The verifier tokenizes exactly as Generate does, so a chat's ``count``
-is the ``prompt_tokens`` a chat completion of it reports. A field vLLM accepts that this server
-cannot honour (a custom ``chat_template``, ``continue_final_message``, ``tools``, …) is a 400 naming
-it, and so is an unknown field. ``model`` may be left out (vLLM's default: the served model); one
-that names another model is a 404.
+is the ``prompt_tokens`` a chat completion of it reports, ``tools`` and tool messages included. A
+field vLLM accepts that this server cannot honour (a custom ``chat_template``,
+``continue_final_message``, …) is a 400 naming it, and so is an unknown field. ``model`` may be
+left out (vLLM's default: the served model); one that names another model is a 404.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway_svc.errors import from_grpc
 from gateway_svc.protocol import Message, RequestError
+from gateway_svc.tools import check_tools
 from gateway_svc.upstream import Gateway, current_gateway
 
 router = APIRouter()
@@ -59,12 +60,13 @@ class TokenizeChatRequest(_Strict):
             )
         if self.chat_template:
             raise RequestError("chat_template is not supported: the model's own template is used", "chat_template")
-        for name in ("chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs", "tools"):
+        for name in ("chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs"):
             if getattr(self, name):
                 raise RequestError(f"{name} is not supported by this server", name)
+        check_tools(self.tools)
 
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+    def chat(self) -> list[dict[str, Any]]:
+        return [m.chat(i) for i, m in enumerate(self.messages)]
 
 
 class DetokenizeRequest(_Strict):
@@ -114,6 +116,7 @@ async def tokenize(
                 add_generation_prompt=body.add_generation_prompt,
                 return_token_strs=strs,
                 timeout=gw.config.request_timeout_s,
+                tools=body.tools or None,
             )
         else:
             out = await gw.client.tokenize(

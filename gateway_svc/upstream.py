@@ -101,8 +101,10 @@ class Gateway:
         spec: SpecDecodeParams,
         rid: str,
         params: dict,
+        tools: list[dict] | None = None,
     ) -> list[Choice]:
-        """Start every choice's stream and wait for its first item; refusals raise ApiError."""
+        """Start every choice's stream and wait for its first item; refusals raise ApiError.
+        ``tools``: OpenAI tool objects a chat's template is given."""
         choices = []
         for p, prompt in enumerate(prompts):
             for j in range(n):
@@ -114,6 +116,7 @@ class Gateway:
                     chat=chat,
                     request_id=f"{rid}-{p * n + j}",
                     timeout=self.config.request_timeout_s,
+                    tools=tools,
                 )
                 choices.append(Choice(p * n + j, stream))
         firsts = await asyncio.gather(*(anext(c.stream) for c in choices), return_exceptions=True)

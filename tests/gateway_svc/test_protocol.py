@@ -87,7 +87,8 @@ def test_spec_decode_from_extra_body_reaches_the_sdk_params():
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function"),
+        ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
         ({"structural_tag": "{}"}, "structural_tag"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

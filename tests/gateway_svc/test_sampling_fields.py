@@ -86,7 +86,8 @@ SAMPLES = {
     "prompt_cache_key": "k", "prompt_cache_options": {"ttl": "1h"}, "prompt_cache_retention": "24h",
     "reasoning_effort": "low", "response_format": {"type": "json_object"}, "safety_identifier": "s", "seed": 7,
     "service_tier": "flex", "stop": ["\n"], "store": True, "stream": True, "stream_options": {"include_usage": True},
-    "suffix": "end", "temperature": 0.5, "tool_choice": "auto", "tools": [{"type": "function", "function": {}}],
+    "suffix": "end", "temperature": 0.5, "tool_choice": "required",
+    "tools": [{"type": "function", "function": {"name": "f"}}],
     "top_logprobs": 2, "top_p": 0.5, "user": "u", "verbosity": "low", "web_search_options": {"user_location": {}},
     "use_beam_search": True, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "watermarking": True,
     "length_penalty": 0.5, "stop_token_ids": [2], "include_stop_str_in_output": True, "ignore_eos": True,
@@ -114,6 +115,8 @@ NEEDS = {  # what a sample needs beside it
     "stream_options": {"stream": True},
     "top_logprobs": {"logprobs": True},
     "guided_decoding_backend": {"guided_json": {}},
+    "tool_choice": {"tools": SAMPLES["tools"]},
+    "parallel_tool_calls": {"tools": SAMPLES["tools"], "tool_choice": "required"},
 }
 
 
@@ -147,6 +150,9 @@ EFFECTS = {
     "request_id": lambda out, *_: out.first["id"].endswith("-mine"),
     "prompt": lambda out, *_: out.prompt == [1, 2, 3],
     "messages": lambda out, *_: out.prompt == [{"role": "user", "content": "hi"}],
+    "tools": lambda out, *_: out.tools == SAMPLES["tools"],
+    "tool_choice": lambda out, *_: json.loads(out.sampling.structured_output.json_schema)["minItems"] == 1,
+    "parallel_tool_calls": lambda out, *_: json.loads(out.sampling.structured_output.json_schema)["maxItems"] == 1,
     "response_format": lambda out, *_: _grammar(out) == {"json_object": True, "ws": False},
     "structured_outputs": lambda out, *_: _grammar(out) == {"json_schema": "{}", "ws": True},
     "guided_json": lambda out, *_: _grammar(out) == {"json_schema": '{"type":"object"}', "ws": True},
@@ -171,8 +177,9 @@ class FakeVerifier:
     async def detokenize(self, tokens, *, timeout: float | None = None) -> str:
         return "".join(f"<{t}>" for t in tokens)
 
-    async def generate(self, prompt, sampling, spec, *, chat, request_id, timeout):
+    async def generate(self, prompt, sampling, spec, *, chat, request_id, timeout, tools=None):
         self.sent.append((prompt, sampling))
+        self.tools = tools
         ids = list(prompt) if prompt and isinstance(prompt[0], int) else [10 + i for i in range(3)]
         lp = None
         if sampling.prompt_logprobs is not None:
@@ -204,6 +211,7 @@ class Answer:
     def __init__(self, resp, fake: FakeVerifier, chat: bool) -> None:
         self.status, self.chat = resp.status_code, chat
         self.prompt, self.sampling = fake.sent[0] if fake.sent else (None, None)
+        self.tools = getattr(fake, "tools", None)
         text = resp.text
         if text.startswith("data: "):
             self.events = [e if e == "[DONE]" else json.loads(e) for e in re.findall(r"data: (.*)\n\n", text)]
@@ -259,7 +267,7 @@ def test_each_field_with_a_value_is_honoured_or_refused_naming_it(http, fake, en
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("tools", []), ("tool_choice", "none"), ("response_format", {"type": "text"}), ("skip_special_tokens", True),
+    [("response_format", {"type": "text"}), ("skip_special_tokens", True),
      ("best_of", 1), ("store", False), ("priority", 0), ("bad_words", []), ("echo", False), ("modalities", ["text"]),
      ("add_special_tokens", False), ("length_penalty", 1.0), ("service_tier", "auto"), ("stream_interval", 1)],
 )  # fmt: skip

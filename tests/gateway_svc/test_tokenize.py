@@ -89,14 +89,15 @@ def test_tokenize_chat_is_the_prompt_a_chat_completion_sees(http, gateway, model
         ("/detokenize", {"tokens": [1], "prompt": "x"}, "prompt"),
         ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages }}"}, "chat_template"),
         ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
-        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.0.function"),
         ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
         ("/tokenize", {"messages": MESSAGES, "mm_processor_kwargs": {"x": 1}}, "mm_processor_kwargs"),
         ("/tokenize", {"messages": MESSAGES, "prompt": "hi"}, "messages"),
         ("/tokenize", {"messages": []}, "messages"),
         ("/tokenize", {"add_special_tokens": True}, "prompt"),
         ("/tokenize", {"prompt": ""}, "prompt"),  # the verifier's refusal, named as the client sent it
-        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),  # the verifier's refusal
+        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
         ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0"),
         ("/detokenize", {"tokens": [1, -1]}, "tokens.1"),
         ("/detokenize", {"tokens": [1, 49152]}, "tokens"),  # outside the vocabulary: the verifier's refusal
@@ -132,8 +133,8 @@ def test_the_sdk_tokenizes_and_detokenizes_blocking_and_async(verifier, lm):
             c.detokenize([0, 49152])
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("tokens:")
         with pytest.raises(grpc.RpcError) as err:
-            c.tokenize([{"role": "tool", "content": "x"}])
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown role 'tool'" in err.value.details()
+            c.tokenize([{"role": "robot", "content": "x"}])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown role 'robot'" in err.value.details()
 
     async def run() -> tuple[Tokens, str, grpc.StatusCode]:
         async with AsyncClient(verifier.address) as c:
