@@ -4,6 +4,7 @@
     specmesh bench --target 10.0.0.5:50051 --modes plain,ngram,auto --categories code_edit,rag
     specmesh bench --target http://10.0.0.5:8000/v1 --also-grpc 10.0.0.5:50051 --modes plain,ngram
     specmesh bench --modes plain,ngram,head,auto --head DIR   # DIR: `specmesh head train --out DIR`
+    specmesh bench --structured json --modes plain,ngram,suffix --limit 5   # every answer a small JSON object
     specmesh bench --mix --modes plain,ngram,suffix,auto --concurrency 1,8 --limit 20 \
         --workload workloads/specbench_dev_measured.jsonl --warmup-workload workloads/specbench_dev_warmup.jsonl
 
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, NoReturn
 import grpc
 
 from specmesh.client import Client
-from specmesh.params import SamplingParams
+from specmesh.params import SamplingParams, StructuredOutput
 from specmesh_bench.http_target import HttpTarget, is_http
 from specmesh_bench.report import (
     COMPARED,
@@ -55,6 +56,8 @@ from specmesh_bench.runner import (
     Target,
     spec_for,
 )
+from specmesh_bench.structured import KINDS as STRUCTURED_KINDS
+from specmesh_bench.structured import structure
 from specmesh_bench.workload import (
     DEFAULT_WORKLOAD,
     BenchPrompt,
@@ -111,10 +114,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--turns",
         type=int,
         choices=(1, 2),
-        default=2,
-        help="2: a multi-turn row (mt_bench) also gives its second turn as a prompt of its own (row id <id>#2), "
-        "the chat [turn 1, the model's own greedy answer to turn 1 (generated once through the deployment before "
-        "timing, plain decoding, --max-tokens), turn 2], run after every first turn; 1: first turns only",
+        default=None,
+        help="2 (the default): a multi-turn row (mt_bench) also gives its second turn as a prompt of its own (row "
+        "id <id>#2), the chat [turn 1, the model's own greedy answer to turn 1 (generated once through the "
+        "deployment before timing, plain decoding, --max-tokens), turn 2], run after every first turn; 1: first "
+        "turns only (the default, and the only choice, with --structured)",
+    )
+    p.add_argument(
+        "--structured",
+        choices=STRUCTURED_KINDS,
+        default=None,
+        help="a structured-output workload (specmesh_bench/structured.py), first turns only: json: every prompt asks "
+        "for a small JSON object (answer, topic: one of the 8 categories, confidence) and the request carries its "
+        "schema (gRPC SamplingParams.structured_output, HTTP response_format); tools: every prompt lists 3 "
+        "functions and must call one (gRPC: the function's parameters schema; HTTP: chat completions with tools "
+        "and tool_choice). Each output is validated against its schema (schema validity in summary.md, with the "
+        "drafted nodes the grammar pruned); the hf-* modes, which decode unconstrained, are left out",
     )
     p.add_argument(
         "--warmup-workload",
@@ -215,6 +230,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--warmup-limit needs --warmup-workload")
     if a.warmup_limit is not None and a.warmup_limit < 1:
         p.error("--warmup-limit must be at least 1")
+    if a.structured and a.turns == 2:
+        p.error("--structured runs first turns only (--turns 1)")
+    a.turns = a.turns or (1 if a.structured else 2)
     return a
 
 
@@ -258,8 +276,12 @@ def cpu_name() -> str:
     return f"{name} ({os.cpu_count()} cores)"
 
 
-def _available(client: Client, modes: list[str], prompt: list[int], corpus: str) -> list[str]:
-    """Service modes this verifier serves (a 2-token probe each, which also warms it up)."""
+def _available(client: Client, modes: list[str], prompt: BenchPrompt, corpus: str) -> list[str]:
+    """Service modes this verifier serves (a 2-token probe each, which also warms it up, and compiles
+    a structured prompt's grammar before any request is timed)."""
+    task = prompt.structured
+    grammar = StructuredOutput(json_schema=task.schema) if task is not None else None
+    probe = SamplingParams(temperature=0.0, max_tokens=2, structured_output=grammar)
     ok = []
     for m in modes:
         if m not in SERVICE_MODES:
@@ -267,7 +289,7 @@ def _available(client: Client, modes: list[str], prompt: list[int], corpus: str)
             continue
         spec = spec_for(m, corpus)
         try:
-            client.complete(prompt, SamplingParams(temperature=0.0, max_tokens=2), spec, timeout=120)
+            client.complete(list(prompt.token_ids), probe, spec, timeout=120)
             ok.append(m)
         except grpc.RpcError as exc:
             print(f"bench: mode {m} unavailable here ({exc.code().name}: {exc.details()}); skipped", file=sys.stderr)
@@ -317,6 +339,11 @@ def main(argv: list[str] | None = None) -> None:
         warmup = load_prompts(a.warmup_workload, categories, a.warmup_limit, encode) if a.warmup_workload else []
     except ValueError as exc:
         _fail(str(exc))
+    if a.structured:
+        prompts, warmup = structure(prompts, a.structured, encode), structure(warmup, a.structured, encode)
+        if dropped := [m for m in modes if m in HF_MODES]:
+            print(f"bench: --structured leaves out {', '.join(dropped)} (unconstrained decoding)", file=sys.stderr)
+            modes = [m for m in modes if m not in HF_MODES]
     if warmup and (why := warmup_conflicts(warmup, prompts)):
         _fail(f"--warmup-workload {a.warmup_workload}: {why}; warm up on other prompts (workloads/README.md)")
     if a.warmup_workload and not any(m in LEARNING_MODES for m in modes):
@@ -364,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         if address:
             credentials = {"tls": dep.client_tls, "token": dep.token()} if dep is not None else {}
             client = stack.enter_context(Client(address, **credentials))
-            modes = _available(client, modes, list(prompts[0].token_ids), a.corpus)
+            modes = _available(client, modes, prompts[0], a.corpus)
             targets.append(GrpcTarget(client, spread=http))  # with HTTP: ITL estimated alike, for the comparison
             server = client.stats().server
         config = RunConfig(**{**asdict(config), "modes": tuple(modes), "corpus": a.corpus})
@@ -400,6 +427,7 @@ def main(argv: list[str] | None = None) -> None:
             "limit": a.limit,
             "workload": str(a.workload),
             "turns": a.turns,
+            "structured": a.structured or "",
             "load": a.load,
             "cache_scope_token": runner.run_token,
             "warmup_workload": str(a.warmup_workload) if runner.warmup else "",

@@ -1,13 +1,16 @@
 """Benchmark requests over HTTP: any OpenAI-compatible server, through the official ``openai`` client.
 
 Prompts go as token ids to ``/v1/completions`` (streamed, ``stream_options.include_usage``), so
-every server sees exactly the prompt the gRPC path sends. A SpecMesh gateway (``owned_by:
+every server sees exactly the prompt the gRPC path sends; a structured prompt (``--structured``)
+adds its ``response_format`` (json), or goes to ``/v1/chat/completions`` as one user message with
+``tools`` and a ``tool_choice`` naming the function it must call (tools). A SpecMesh gateway (``owned_by:
 "specmesh"`` in ``/v1/models``) takes each mode's speculation as ``extra_body={"spec_decode":
 …}``; another server (vLLM, SGLang…) gets no extra body and is measured as it is configured.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -63,16 +66,17 @@ class SseTally:
     finish_reason: str = ""
     usage_tokens: int | None = None
     spec: dict[str, Any] | None = None
+    tool_name: str | None = None  # the function a chat completion called (its arguments are the text)
 
     def add(self, t: float, chunk: Any) -> None:
-        """One parsed event (an ``openai.types.Completion``); its extra fields are in ``model_extra``."""
+        """One parsed event (an ``openai.types.Completion``, or a ``ChatCompletionChunk`` whose text is
+        its content or its tool call's arguments); its extra fields are in ``model_extra``."""
         for choice in chunk.choices or ():
-            if choice.text:
-                lp = getattr(choice, "logprobs", None)
-                tokens = getattr(lp, "tokens", None) if lp is not None else None
+            text, tokens = _event_text(self, choice)
+            if text:
                 self.times.append(t)
                 self.counts.append(len(tokens) if tokens else None)
-                self.texts.append(choice.text)
+                self.texts.append(text)
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
         if chunk.usage is not None:
@@ -101,6 +105,8 @@ class SseTally:
             "mean_accepted_length": max(n - 1, 0) / steps if steps else 0.0,
             "accepted_length_counts": list(sp.get("acceptance_histogram") or []),
             "fallback_reason": sp.get("fallback_reason") or "",
+            **({"grammar_pruned": pruned} if (pruned := _pruned(sp)) is not None else {}),
+            **({"tool_name": self.tool_name} if self.tool_name is not None else {}),
             "proposer": max(proposers, key=lambda p: proposers[p].get("num_spec_steps", 0), default="none"),
             "proposers": {
                 name: {
@@ -111,6 +117,43 @@ class SseTally:
                 for name, p in proposers.items()
             },
         }
+
+
+def _pruned(spec: dict[str, Any]) -> int | None:
+    """Drafted nodes the grammar discarded, where the gateway reports them (None: it does not).
+
+    >>> _pruned({"num_grammar_pruned_nodes": 4}), _pruned({"grammar_pruned_nodes": 2}), _pruned({})
+    (4, 2, None)
+    """
+    for key in ("num_grammar_pruned_nodes", "grammar_pruned_nodes"):
+        if spec.get(key) is not None:
+            return int(spec[key])
+    return None
+
+
+def _event_text(tally: SseTally, choice: Any) -> tuple[str, list | None]:
+    """An event choice's text and its logprob tokens (None: not given): a completion's text, or a
+    chat delta's content and tool-call arguments (the call's name noted in ``tally``).
+
+    >>> from types import SimpleNamespace as NS
+    >>> tally = SseTally(t0=0.0)
+    >>> call = NS(function=NS(name="search_docs", arguments='{"query"'))
+    >>> _event_text(tally, NS(delta=NS(content=None, tool_calls=[call]), logprobs=None)), tally.tool_name
+    (('{"query"', None), 'search_docs')
+    """
+    if not hasattr(choice, "delta"):
+        lp = getattr(choice, "logprobs", None)
+        return choice.text or "", getattr(lp, "tokens", None) if lp is not None else None
+    delta = choice.delta
+    text = delta.content or ""
+    for call in getattr(delta, "tool_calls", None) or ():
+        fn = call.function
+        if fn is not None:
+            tally.tool_name = fn.name or tally.tool_name
+            text += fn.arguments or ""
+    lp = getattr(choice, "logprobs", None)
+    content = getattr(lp, "content", None) if lp is not None else None
+    return text, [x.token for x in content] if content else None
 
 
 @dataclass
@@ -159,7 +202,8 @@ class HttpTarget:
         tag: bool = False,
         scope: str = "",
     ) -> dict[str, Any]:
-        """One streamed completion; the record of ``SseTally.record`` plus ``server`` (the owner)."""
+        """One streamed completion; the record of ``SseTally.record`` plus ``server`` (the owner). A
+        structured prompt's output format is sent to any server: it is the workload, not speculation."""
         kw: dict[str, Any] = {}
         if sampling.seed is not None:
             kw["seed"] = sampling.seed
@@ -171,20 +215,29 @@ class HttpTarget:
             extra["spec_decode"] = asdict(spec)
         elif mode != "plain":
             raise ValueError(f"mode {mode} needs a SpecMesh server; {self.owned_by or 'this server'} serves only plain")
+        task = prompt.structured
+        if task is not None and task.kind == "json":
+            extra["response_format"] = task.response_format()  # the completions endpoint's: extra_body
         if extra:
             kw["extra_body"] = extra
+        common = {
+            "model": self.model,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **kw,
+        }
         t0 = time.perf_counter()
         tally = SseTally(t0)
-        stream = self.client.completions.create(
-            model=self.model,
-            prompt=list(prompt.token_ids),
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            stream=True,
-            stream_options={"include_usage": True},
-            **kw,
-        )
+        if task is not None and task.kind == "tools":
+            messages = [{"role": "user", "content": prompt.text}]
+            tools, choice = json.loads(task.tools), task.tool_choice()
+            stream = self.client.chat.completions.create(messages=messages, tools=tools, tool_choice=choice, **common)
+        else:
+            stream = self.client.completions.create(prompt=list(prompt.token_ids), **common)
         with stream:
             for chunk in stream:
                 tally.add(time.perf_counter(), chunk)
-        return {**tally.record(time.perf_counter() - t0), "server": self.owned_by}
+        chat = {"chat": True} if task is not None and task.kind == "tools" else {}  # a prompt of the server's making
+        return {**tally.record(time.perf_counter() - t0), "server": self.owned_by, **chat}

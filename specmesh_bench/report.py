@@ -49,6 +49,12 @@ class Row:
     pld_k: int | None = None
     fallbacks: int = 0
     notes: list[str] = field(default_factory=list)
+    # --structured: outputs validated against their schema, the valid ones, the invalid ones cut by
+    # max tokens, and the drafted nodes the grammar discarded (None: no record reports them)
+    schema_checked: int = 0
+    schema_valid: int = 0
+    schema_invalid_at_length: int = 0
+    grammar_pruned: int | None = None
 
 
 @dataclass
@@ -247,6 +253,7 @@ def summarize(records: list[dict]) -> list[Row]:
             lossless=all(checked) if checked else None,
             pld_k=rs[0].get("pld_k") if mode == "hf-pld" else None,
             fallbacks=sum(1 for r in rs if r.get("fallback_reason")),
+            **_structured_counts(rs),
         )
     for (sampling, c, cat, mode), row in rows.items():
         plain = groups.get((sampling, c, cat, "plain"))
@@ -262,6 +269,25 @@ def summarize(records: list[dict]) -> list[Row]:
     return sorted(rows.values(), key=lambda r: (r.sampling, r.concurrency, r.category, r.mode)) + _overall(rows)
 
 
+def _structured_counts(rs: list[dict]) -> dict:
+    """The ``--structured`` fields of a Row over records (each with ``schema_valid`` where checked).
+
+    >>> _structured_counts([{"schema_valid": True, "grammar_pruned": 3},
+    ...                     {"schema_valid": False, "finish_reason": "length"}, {}])
+    {'schema_checked': 2, 'schema_valid': 1, 'schema_invalid_at_length': 1, 'grammar_pruned': 3}
+    """
+    checked = [r for r in rs if "schema_valid" in r]
+    pruned = [r["grammar_pruned"] for r in rs if "grammar_pruned" in r]
+    return {
+        "schema_checked": len(checked),
+        "schema_valid": sum(1 for r in checked if r["schema_valid"]),
+        "schema_invalid_at_length": sum(
+            1 for r in checked if not r["schema_valid"] and r.get("finish_reason") == "length"
+        ),
+        "grammar_pruned": sum(pruned) if pruned else None,
+    }
+
+
 def _overall(rows: dict[tuple, Row]) -> list[Row]:
     """Per (sampling, concurrency, mode): geometric means over categories."""
     by: dict[tuple, list[Row]] = defaultdict(list)
@@ -269,6 +295,7 @@ def _overall(rows: dict[tuple, Row]) -> list[Row]:
         by[(sampling, c, mode)].append(row)
     out = []
     for (sampling, c, mode), rs in sorted(by.items()):
+        pruned = [r.grammar_pruned for r in rs if r.grammar_pruned is not None]
 
         def gm(attr: str, rs: list[Row] = rs) -> float | None:
             vals = [getattr(r, attr) for r in rs]
@@ -292,6 +319,10 @@ def _overall(rows: dict[tuple, Row]) -> list[Row]:
                 acceptance_rate=(sum(r.accepted for r in rs) / d) if (d := sum(r.drafted for r in rs)) else None,
                 lossless=all(checked) if checked else None,
                 fallbacks=sum(r.fallbacks for r in rs),
+                schema_checked=sum(r.schema_checked for r in rs),
+                schema_valid=sum(r.schema_valid for r in rs),
+                schema_invalid_at_length=sum(r.schema_invalid_at_length for r in rs),
+                grammar_pruned=sum(pruned) if pruned else None,
             )
         )
     return out
@@ -532,6 +563,7 @@ def markdown(
                 f"Pipeline overhead (n-gram through its gRPC service vs the same algorithm in the verifier, "
                 f"paired): {overhead[(sampling, c)]:+.1%}",
             ]
+        lines += structured_markdown([cell[(OVERALL, m)] for m in modes], meta.get("structured", ""))
         for (a, b), by_run in (ratios or {}).items():
             if (sampling, c) in by_run:
                 interval = (intervals or {}).get((a, b), {}).get((sampling, c))
@@ -540,6 +572,36 @@ def markdown(
     if transports:
         lines += transport_markdown(transports)
     return "\n".join(lines)
+
+
+def structured_markdown(overall: list[Row], kind: str) -> list[str]:
+    """The structured-output table of a run (its modes' overall rows); none when no output was checked.
+
+    >>> row = Row("greedy", 1, OVERALL, "ngram", 4, 10.0, speedup=1.4, acceptance_rate=0.5, schema_checked=4,
+    ...           schema_valid=3, schema_invalid_at_length=1, grammar_pruned=6)
+    >>> structured_markdown([row], "json")[-1]
+    '| ngram | 4 | 75% (3) | 1 | 6 | 1.5 | 1.40x | 50% |'
+    """
+    rows = [r for r in overall if r.schema_checked]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Structured output ({kind or '?'}): each output parsed and validated against its schema (jsonschema); "
+        "grammar-pruned: drafted nodes the verifier's grammar discarded before verifying (– where not reported).",
+        "",
+        "| mode | outputs | schema valid | invalid, cut by max tokens | grammar-pruned nodes | pruned per request "
+        "| speed-up | acceptance |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per = r.grammar_pruned / r.requests if r.grammar_pruned is not None and r.requests else None
+        lines.append(
+            f"| {r.mode} | {r.schema_checked} | {r.schema_valid / r.schema_checked:.0%} ({r.schema_valid}) "
+            f"| {r.schema_invalid_at_length} | {_fmt(r.grammar_pruned, 'd')} | {_fmt(per, '.1f')} "
+            f"| {_fmt(r.speedup, '.2f', 'x')} | {_fmt(r.acceptance_rate, '.0%')} |"
+        )
+    return lines
 
 
 def _setup_lines(meta: dict) -> list[str]:
@@ -560,6 +622,11 @@ def _setup_lines(meta: dict) -> list[str]:
             f"measured requests of each learning mode's run, once per cache scope: "
             + (", ".join(f"`{s}`" for s in scopes) if scopes else "none (no mode learns from outputs)")
             + ". Each such run has its own scope, so no run learns from another's outputs of the measured prompts."
+        )
+    if meta.get("structured"):
+        lines.append(
+            f"Structured-output workload `{meta['structured']}` (specmesh_bench/structured.py): every prompt's "
+            "instruction appended to its first turn, the request carrying its schema; see the table after each run."
         )
     if meta.get("turns", 1) > 1:
         lines.append(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from specmesh.client import Client
-from specmesh.params import SamplingParams, SpecDecodeParams
+from specmesh.params import SamplingParams, SpecDecodeParams, StructuredOutput
 from specmesh_bench.workload import BenchPrompt
 
 # mode → the proposer named in SpecDecodeParams
@@ -210,6 +210,7 @@ def _service_request(
         "proposer_wait_ms": sp.proposer_wait_ms if sp else 0.0,
         "verify_ms": sp.verify_ms if sp else 0.0,
         "fallback_reason": sp.fallback_reason if sp else "",
+        "grammar_pruned": sp.grammar_pruned_nodes if sp else 0,  # drafted nodes the grammar discarded
         # The proposer that drafted most of its steps (``auto`` may switch mid-request), and all of them.
         "proposer": max(sp.per_proposer, key=lambda p: sp.per_proposer[p].steps, default="none") if sp else "none",
         "proposers": {
@@ -291,6 +292,7 @@ class HfReference:
 
 
 def _record(prompt: BenchPrompt, mode: str, sampling: str, concurrency: int, wave: int, **extra: Any) -> dict:
+    """One request's record; a structured prompt's output is checked (``check_structured``)."""
     rec = {
         "mode": mode,
         "category": prompt.category,
@@ -307,7 +309,32 @@ def _record(prompt: BenchPrompt, mode: str, sampling: str, concurrency: int, wav
     n = _tokens(rec)
     rec["completion_tokens"] = n
     rec["tokens_per_s"] = n / rec["wall_s"] if rec.get("wall_s") else 0.0
+    if prompt.structured is not None:
+        rec.update(check_structured(prompt, rec))
     return rec
+
+
+def check_structured(prompt: BenchPrompt, rec: dict) -> dict[str, Any]:
+    """The record's structured-output fields: ``structured`` (the workload kind), ``schema_valid``
+    and, when not, ``schema_error``: the output (the called function's arguments, for a tool call
+    over HTTP) parsed and validated against the prompt's schema; a call of another function than the
+    forced one is invalid too.
+
+    >>> from specmesh_bench.structured import tools_task
+    >>> p = BenchPrompt("qa", 0, "q", "", "", (), structured=tools_task("qa"))
+    >>> check_structured(p, {"text": '{"query": "books", "max_results": 3}'})
+    {'structured': 'tools', 'schema_valid': True}
+    >>> check_structured(p, {"text": '{"query": "books", "max_results": 3}', "tool_name": "reply"})["schema_error"]
+    'called reply, not search_docs'
+    """
+    from specmesh_bench.structured import schema_error
+
+    task = prompt.structured
+    assert task is not None
+    called = rec.get("tool_name")
+    error = f"called {called}, not {task.tool}" if called is not None and called != task.tool else None
+    error = error or schema_error(rec.get("text", ""), task)
+    return {"structured": task.kind, "schema_valid": error is None, **({"schema_error": error} if error else {})}
 
 
 def _tokens(out: dict) -> int:
@@ -367,9 +394,17 @@ def compared_by(a: dict, b: dict) -> str | None:
 
 def _reference(r: dict, plains: dict[str | None, dict]) -> dict | None:
     """The plain output a record is checked against: its own transport's (the gRPC one for hf-*);
-    the gateway's plain is checked against the verifier's over gRPC."""
+    the gateway's plain is checked against the verifier's over gRPC, unless it went to chat
+    completions (``--structured tools``), where the gateway renders the prompt with its tools.
+
+    >>> plains = {"grpc": {"text": "a"}, "http": {"text": "b"}}
+    >>> [_reference({"mode": m, "transport": "http"}, plains) for m in ("plain", "ngram")]
+    [{'text': 'a'}, {'text': 'b'}]
+    >>> _reference({"mode": "plain", "transport": "http", "chat": True}, plains) is None
+    True
+    """
     if r["mode"] == "plain":
-        return plains.get("grpc") if r.get("transport") == "http" else None
+        return plains.get("grpc") if r.get("transport") == "http" and not r.get("chat") else None
     return plains.get(r.get("transport")) or plains.get("grpc") or plains.get("http")
 
 
@@ -464,9 +499,13 @@ class BenchRunner:
     def _parallel(self, target: Target, prompts: list[BenchPrompt], mode: str, scope: str) -> list[dict]:
         """Untimed greedy requests, at the run's highest concurrency (warm-ups, first answers)."""
         cfg = self.config
-        sampling = self._sampling("greedy", 0)
         with ThreadPoolExecutor(max(cfg.concurrency)) as pool:
-            return list(pool.map(lambda p: target.request(p, mode, sampling, cfg.corpus, cfg.tag, scope), prompts))
+            return list(
+                pool.map(
+                    lambda p: target.request(p, mode, self._sampling("greedy", 0, p), cfg.corpus, cfg.tag, scope),
+                    prompts,
+                )
+            )
 
     def first_answers(self, prompts: list[BenchPrompt]) -> dict[str, str]:
         """row id → the model's greedy answer to turn 1, for each multi-turn row among ``prompts``:
@@ -553,13 +592,20 @@ class BenchRunner:
             modes = [m for m in modes if m not in HF_MODES]
         return modes
 
-    def _sampling(self, sampling: str, seed: int) -> SamplingParams:
+    def _sampling(self, sampling: str, seed: int, prompt: BenchPrompt | None = None) -> SamplingParams:
+        """A request's sampling; a structured prompt's carries its schema (``structured_output``)."""
         cfg = self.config
+        task = prompt.structured if prompt is not None else None
+        grammar = StructuredOutput(json_schema=task.schema) if task is not None else None
         if sampling == "greedy":
-            return SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, repetition_penalty=cfg.repetition_penalty)
+            return SamplingParams(
+                temperature=0.0, max_tokens=cfg.max_tokens, repetition_penalty=cfg.repetition_penalty,
+                structured_output=grammar,
+            )  # fmt: skip
         return SamplingParams(
-            temperature=cfg.temperature, seed=seed, max_tokens=cfg.max_tokens, repetition_penalty=cfg.repetition_penalty
-        )
+            temperature=cfg.temperature, seed=seed, max_tokens=cfg.max_tokens,
+            repetition_penalty=cfg.repetition_penalty, structured_output=grammar,
+        )  # fmt: skip
 
     def run(self, prompts: list[BenchPrompt]) -> Iterator[dict]:
         """Yields records as requests complete (one per request)."""
@@ -607,7 +653,7 @@ class BenchRunner:
         with ThreadPoolExecutor(min(c, len(wave))) as pool:
             outs = list(
                 pool.map(
-                    lambda p, s, sc: target.request(p, mode, self._sampling(sampling, s), cfg.corpus, cfg.tag, sc),
+                    lambda p, s, sc: target.request(p, mode, self._sampling(sampling, s, p), cfg.corpus, cfg.tag, sc),
                     wave,
                     seeds,
                     scopes,
