@@ -9,9 +9,9 @@ A whole response is the same parser fed once (``parse``): streamed and whole ans
 
 - ``hermes`` (the default): ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`` blocks, text
   outside them is content; a last block the output ended inside (no closing tag) is read too, as
-  vLLM's. A block holding a JSON list of calls (SmolLM2's own format) gives each. What the verifier's
-  Hermes rendering asks for (``verifier_svc/chat_tools.py``), and what Qwen2.5, Hermes 2/3 and
-  SmolLM2-1.7B write.
+  vLLM's. A block holding a JSON list of calls (SmolLM2-1.7B-Instruct's variant) gives each. What
+  the verifier's Hermes rendering asks for (``verifier_svc/chat_tools.py``), and what Qwen2.5 and
+  Hermes 2/3 write.
 - ``llama3_json``: an output that is JSON objects ``{"name": …, "parameters": {…}}`` (or
   ``"arguments"``), separated by ``;``, optionally after ``<|python_tag|>``: Llama 3.1 / 3.2's JSON
   tool calls. An output that starts with anything else is content.

@@ -5,9 +5,9 @@ answering one (``tool_call_id``, ``name``), and the tools as a JSON array (``too
 that uses tools (it names the ``tools`` variable, as Qwen2.5's, Llama 3.1's, Hermes 2 Pro's do)
 receives them as transformers' chat templates expect: OpenAI-shaped message dicts whose calls'
 ``arguments`` are parsed to objects, and ``tools=``. A template that does not (SmolLM2's is plain
-ChatML) receives plain role/content messages in the **Hermes format** (Qwen2.5's rendering, which
-SmolLM2-1.7B-Instruct and the Hermes models were trained on): a system block listing the tools in
-``<tools></tools>`` and how to call one, each call written into the assistant's content as
+ChatML) receives plain role/content messages in the **Hermes format** (Qwen2.5's rendering, the
+Hermes models' format; SmolLM2-1.7B-Instruct's is a close variant): a system block listing the
+tools in ``<tools></tools>`` and how to call one, each call written into the assistant's content as
 ``<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>``, consecutive tool results in one user
 turn, each in ``<tool_response></tool_response>``. A chat without any of these renders as before.
 
