@@ -240,7 +240,7 @@ def _error(resp: httpx.Response) -> dict:
         ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 3}, 400, "frequency_penalty"),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999999": 5}}, 400, "logit_bias"),
         ({"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [10**6]}, 400, "allowed_token_ids"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools.0.function"),
         ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": True}, 400, "frobnicate"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
     ],
