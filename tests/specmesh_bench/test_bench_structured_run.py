@@ -20,7 +20,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def verifier(tmp_path_factory, lm):
-    v = start_verifier(tmp_path_factory.mktemp("verifier"), "--proposer", "ngram=inprocess:ngram")
+    # always speculate: no start-up profile of the step cost, and every step's tree meets the grammar
+    v = start_verifier(
+        tmp_path_factory.mktemp("verifier"), "--proposer", "ngram=inprocess:ngram", "--spec-gating", "always"
+    )
     yield v
     stop_verifier(v)
 
