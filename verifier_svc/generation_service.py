@@ -77,7 +77,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         assert self._grammars is not None
         loop = asyncio.get_running_loop()
         compiled = await loop.run_in_executor(self.grammar_pool, self._grammars.compile, req.structured_output)
-        return RequestGrammar.start(compiled, self.limits.vocab_size, self._grammars.encode)
+        grammars = self._grammars
+        return RequestGrammar.start(compiled, self.limits.vocab_size, grammars.encode, grammars.banned)
 
     def _logprobs_pb(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[generation_pb2.TokenLogprob]:
         text = self.token_text

@@ -64,6 +64,10 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
+        # The tokenizer's added tokens (<|im_start|>, <|endoftext|> …) are not text: xgrammar, which
+        # finds no special tokens in some tokenizers (SmolLM2's), would allow them inside a JSON string.
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.banned = bit_clearer(sorted(set(added) - set(stop_token_ids)), vocab_size)
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
@@ -134,11 +138,18 @@ class RequestGrammar:
     forced: int = 0  # draft nodes the grammar's forced continuation added so far
     rows: torch.Tensor | None = None  # int32 [1 + nodes, W]: this step's masks, root first
 
+    # Tokens never allowed (the tokenizer's added tokens but its stop tokens): ``bit_clearer``'s form.
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+
     @classmethod
     def start(
-        cls, compiled: xgr.CompiledGrammar, vocab_size: int, encode: Callable[[str], tuple[int, ...]] | None = None
+        cls,
+        compiled: xgr.CompiledGrammar,
+        vocab_size: int,
+        encode: Callable[[str], tuple[int, ...]] | None = None,
+        banned: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> RequestGrammar:
-        return cls(xgr.GrammarMatcher(compiled), (vocab_size + 31) // 32, encode)
+        return cls(xgr.GrammarMatcher(compiled), (vocab_size + 31) // 32, encode, banned=banned)
 
     def forced_tokens(self, limit: int) -> tuple[int, ...]:
         """The text the grammar forces next (e.g. ``", "topic": "`` after a JSON string closes), as at
@@ -153,6 +164,24 @@ class RequestGrammar:
         for tok in tokens:
             if not self.matcher.accept_token(tok):
                 raise RuntimeError(f"the grammar rejected emitted token {tok}: a row was not masked")
+
+
+def bit_clearer(ids: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Bitmask rows ``&=`` this to forbid ``ids``: (words int64 [k], keep int32 [k]), or None for no ids.
+
+    >>> words, keep = bit_clearer([0, 2, 33], 64)
+    >>> rows = torch.full((1, 2), -1, dtype=torch.int32); rows[:, words] &= keep
+    >>> rows.tolist()   # bits 0 and 2 of word 0, bit 1 of word 1 cleared
+    [[-6, -3]]
+    """
+    ids = [i for i in ids if 0 <= i < vocab_size]
+    if not ids:
+        return None
+    bits: dict[int, int] = {}
+    for i in ids:
+        bits[i >> 5] = bits.get(i >> 5, 0) | (1 << (i & 31))
+    keep = np.array([~b for b in bits.values()], dtype=np.int64).astype(np.uint32).view(np.int32)
+    return torch.tensor(list(bits), dtype=torch.long), torch.from_numpy(keep.copy())
 
 
 def tree_links(parents: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -270,6 +299,8 @@ def constrain_trees(
             first, sibling = tree_links(tree.parents)
             draft = torch.tensor([0, *tree.tokens], dtype=torch.int64)  # node 0's token is not read
             g.matcher.traverse_draft_tree(torch.from_numpy(first), torch.from_numpy(sibling), draft, rows)
+            if g.banned is not None:
+                rows[:, g.banned[0]] &= g.banned[1]
             keep = allowed_nodes(rows, tree.tokens, tree.parents)
             if not keep.all():
                 g.pruned += int((~keep).sum())
@@ -277,6 +308,8 @@ def constrain_trees(
                 rows = rows[torch.from_numpy(np.r_[True, keep])]
         else:
             g.matcher.fill_next_token_bitmask(rows)
+            if g.banned is not None:
+                rows[:, g.banned[0]] &= g.banned[1]
         g.rows = rows
         out.append(tree)
     return out

@@ -146,6 +146,23 @@ def test_a_speculating_requests_tree_gains_the_text_its_grammar_forces_next(lm, 
     assert tok.decode(grafted.tokens) == 'topic": "'
 
 
+def test_the_tokenizers_added_tokens_are_never_allowed_but_its_stop_token(lm, compiler) -> None:
+    """Inside a JSON string xgrammar allows any token; SmolLM2's added tokens (<|im_start|> …) are not
+    text, so a constrained row forbids them, root and tree nodes alike; EOS ends the value as before."""
+    tok, vocab = lm.tokenizer, lm.model.config.vocab_size
+    spec = GrammarSpec("json_schema", '{"type": "string"}')
+    im_start, there = tok.convert_tokens_to_ids("<|im_start|>"), tok.encode(" there", add_special_tokens=False)[0]
+    for banned in (None, compiler.banned):
+        g = RequestGrammar.start(compiler.compile(spec), vocab, banned=banned)
+        g.advance(tok.encode('"hi', add_special_tokens=False))
+        [tree] = constrain_trees([g], [TokenTree([im_start, there], [-1, -1])])
+        assert (im_start in _allowed(g.rows[0], vocab).tolist()) is (banned is None)
+        assert tree.tokens == ([im_start, there] if banned is None else [there])
+    g.advance(tok.encode('"', add_special_tokens=False))
+    constrain_trees([g], [TokenTree([], [])])
+    assert _allowed(g.rows[0], vocab).tolist() == [2]
+
+
 def test_step_masks_apply_to_each_constrained_requests_rows_only(lm, compiler) -> None:
     vocab = lm.model.config.vocab_size
     g = RequestGrammar.start(compiler.compile(CHOICE_SPEC), vocab)
@@ -198,7 +215,7 @@ def _run(eng, compiler, prompts, specs, n: int, speculate: bool, temperature: fl
         sp = SpecParams("ngram", 0, 0, "", "") if speculate else NO_SPEC
         req = GenerationRequest(f"r{i}", ids, temperature, 1.0, 0, seed + i, n, (), False, sp, structured_output=spec)
         session = LocalProposerSession("ngram", ids, limits, eng.speculation.trees_arrived) if speculate else None
-        grammar = RequestGrammar.start(compiler.compile(spec), eng.runner.vocab_size, compiler.encode)
+        grammar = RequestGrammar.start(compiler.compile(spec), eng.runner.vocab_size, compiler.encode, compiler.banned)
         eng.submit(req, got[i], RequestSpeculation.start(session), grammar)
         grammars.append(grammar)
     assert all(c.done.wait(300) for c in got)
