@@ -19,6 +19,8 @@ class Choice:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     summary: Summary | None = None
+    prompt_tokens: int = 0  # from the first chunk
+    completion_tokens: int = 0  # so far
 
     def take(self, item: Chunk | Summary) -> None:
         if isinstance(item, Summary):
@@ -26,6 +28,13 @@ class Choice:
         else:
             self.text += item.text
             self.logprobs.extend(item.logprobs or ())
+            self.prompt_tokens = item.prompt_tokens or self.prompt_tokens
+            self.completion_tokens += len(item.token_ids)
+
+    def usage(self) -> dict:
+        """Its token counts so far (vLLM's ``continuous_usage_stats``: every chunk carries them)."""
+        p, c = self.prompt_tokens or getattr(self.first, "prompt_tokens", 0), self.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 async def close_choices(choices: list[Choice]) -> None:

@@ -152,9 +152,10 @@ async def _events(
     chat, want_logprobs, n = isinstance(body, ChatCompletionRequest), body.wants_logprobs, body.n
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if body.include_usage else {}
+    continuous = body.include_usage and body.continuous_usage  # vLLM's: each chunk its choice's usage so far
 
-    def event(choice: dict) -> bytes:
-        return sse({**head, "object": obj, "choices": [choice], **extra})
+    def event(choice: dict, c: Choice) -> bytes:
+        return sse({**head, "object": obj, "choices": [choice], **({"usage": c.usage()} if continuous else extra)})
 
     last = {c.index: t0 for c in choices}
     offsets = dict.fromkeys(last, 0)
@@ -163,10 +164,10 @@ async def _events(
         for c in choices:
             if chat:
                 delta = {"role": "assistant", "content": ""}
-                yield event({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
+                yield event({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}, c)
             elif text := views[c.index // n].text:  # echo: the prompt is the first text
                 lp = views[c.index // n].logprobs if want_logprobs else None
-                yield event({"index": c.index, "text": text, "logprobs": lp, "finish_reason": None})
+                yield event({"index": c.index, "text": text, "logprobs": lp, "finish_reason": None}, c)
                 offsets[c.index] = len(text)
         async for c, item in merged(choices):
             c.take(item)
@@ -175,10 +176,10 @@ async def _events(
                 fin = {"index": c.index, **finish(item)}
                 if reader is not None:  # what the tool-call reader held back, then its finish reason
                     for delta in reader.finish():
-                        yield event({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
+                        yield event({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}, c)
                     fin["finish_reason"] = reader.finish_reason(fin["finish_reason"])
                 fin.update({"delta": {}, "logprobs": None} if chat else {"text": "", "logprobs": None})
-                yield event(fin)
+                yield event(fin, c)
                 continue
             now = time.perf_counter()
             if item.token_ids and last[c.index] != t0:
@@ -193,12 +194,14 @@ async def _events(
             if reader is not None:  # content and tool-call deltas (none yet: the logprobs alone)
                 for k, delta in enumerate(reader.feed(item.text) or ([{}] if lp else [])):
                     yield event(
-                        {"index": c.index, "delta": delta, "logprobs": None if k else lp, "finish_reason": None}
+                        {"index": c.index, "delta": delta, "logprobs": None if k else lp, "finish_reason": None}, c
                     )
             elif chat:
-                yield event({"index": c.index, "delta": {"content": item.text}, "logprobs": lp, "finish_reason": None})
+                yield event(
+                    {"index": c.index, "delta": {"content": item.text}, "logprobs": lp, "finish_reason": None}, c
+                )
             else:
-                yield event({"index": c.index, "text": item.text, "logprobs": lp, "finish_reason": None})
+                yield event({"index": c.index, "text": item.text, "logprobs": lp, "finish_reason": None}, c)
         summaries = {c.index: c.summary for c in choices}
         count_summaries(m, summaries.values())
         if body.include_usage:

@@ -143,7 +143,7 @@ SpecDecode = _sdk_model("SpecDecode", SpecDecodeParams, '``extra_body={"spec_dec
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk (refused when true)
+    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, every chunk its choice's usage so far
     include_obfuscation: bool | None = None  # OpenAI's: random padding on every chunk (refused when true)
 
 
@@ -216,9 +216,9 @@ class _Generation(_Body):
         if self.stream_options is not None:
             if not self.stream:
                 raise RequestError("stream_options is only allowed when stream is true", "stream_options")
-            for name in ("continuous_usage_stats", "include_obfuscation"):
-                if getattr(self.stream_options, name):
-                    raise RequestError(f"stream_options.{name} is not supported (only false)", f"stream_options.{name}")
+            if self.stream_options.include_obfuscation:
+                name = "stream_options.include_obfuscation"
+                raise RequestError(f"{name} is not supported (only false)", name)
         lowest = 1 if self.is_chat else 0  # completions: 0 only prefills (to score a prompt, with echo)
         if self.completion_tokens is not None:
             checks.int32(self.max_tokens_param, self.completion_tokens, lowest)
@@ -266,6 +266,10 @@ class _Generation(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def response_id(self, uuid_hex: str) -> str:
         return f"{'chatcmpl' if self.is_chat else 'cmpl'}-{self.request_id or uuid_hex}"

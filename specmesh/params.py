@@ -136,12 +136,13 @@ class Chunk:
     text: str
     logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs was set
     prompt: PromptLogprobs | None = None  # the first chunk's, when SamplingParams.prompt_logprobs was set
+    prompt_tokens: int = 0  # the first chunk's: the prompt's length in tokens (0 in the others)
 
     @classmethod
     def from_proto(cls, msg: generation_pb2.TokenChunk) -> Chunk:
         lps = [TokenLogprob.from_proto(lp) for lp in msg.logprobs] if msg.logprobs else None
         prompt = PromptLogprobs.from_proto(msg.prompt) if msg.HasField("prompt") else None
-        return cls(list(msg.token_ids), msg.text, lps, prompt)
+        return cls(list(msg.token_ids), msg.text, lps, prompt, msg.prompt_tokens)
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if isinstance(exc, NeverFits):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        finished = False
+        finished, first = False, True
         try:
             while True:
                 ev = await events.get()
@@ -145,6 +145,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     yield generation_pb2.GenerateResponse(request_id=req.request_id, summary=_summary(ev))
                     return
                 chunk = generation_pb2.TokenChunk(token_ids=ev.token_ids, text=ev.text)
+                if first:  # usage while the stream runs (the gateway's continuous_usage_stats)
+                    chunk.prompt_tokens, first = len(req.prompt_ids), False
                 if ev.logprobs is not None:
                     chunk.logprobs.extend(self._logprobs_pb(ev.token_ids, ev.logprobs))
                 if ev.prompt_logprobs is not None:

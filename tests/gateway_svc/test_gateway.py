@@ -94,6 +94,14 @@ def test_chat_and_completions_equal_the_grpc_sdk_streaming_or_not(oai, model, gr
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats (guidellm asks for it): every chunk its choice's usage so far.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    counted = list(oai.chat.completions.create(messages=msgs, stream=True, stream_options=options, **kw))
+    assert [c.choices[0].delta.content for c in counted[:-1]] == [c.choices[0].delta.content for c in chunks[:-1]]
+    assert all(c.usage.prompt_tokens == want.summary.prompt_tokens for c in counted)
+    done = [c.usage.completion_tokens for c in counted]
+    assert done == sorted(done) and done[0] == 0 and done[-1] == len(want.token_ids)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in counted)
 
     raw = grpc_client.complete("def add(a, b):", SamplingParams(temperature=0.0, max_tokens=24))
     text = oai.completions.create(model=model, prompt="def add(a, b):", max_tokens=24, temperature=0)

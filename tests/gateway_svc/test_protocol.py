@@ -84,7 +84,7 @@ def test_spec_decode_from_extra_body_reaches_the_sdk_params():
         ({"max_completion_tokens": 2**40}, "max_completion_tokens"),
         ({"top_k": -2}, "top_k"),
         ({"request_id": "x" * 201}, "request_id"),
-        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+        ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools.0.function"),

@@ -90,12 +90,10 @@ def run(tmp_path_factory, gateway, lm):
     report = tmp / "report.json"
     scenario = {
         "spec": {
-            # guidellm sends stream_options.continuous_usage_stats (vLLM's usage on every chunk), which the
-            # gateway refuses by name; the request body's own field turns it off (extras.body is merged in)
+            # guidellm's own request body: stream_options include_usage and continuous_usage_stats (vLLM's
+            # usage on every chunk), which it reads the token counts from
             "backend": {"kind": "openai_http", "target": gateway.url.removesuffix("/v1"), "model": model,
-                        "request_format": "/v1/completions", "timeout": 120,
-                        "extras": {"body": {"stream_options": {"include_usage": True,
-                                                               "continuous_usage_stats": False}}}},
+                        "request_format": "/v1/completions", "timeout": 120},
             "profile": {"kind": "concurrent", "streams": [STREAMS]},
             "constraints": [{"kind": "max_requests", "count": REQUESTS}],
             "tokenizer": {"kind": "huggingface_auto", "model": str(resolve_model_path(None))},
