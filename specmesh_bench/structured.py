@@ -25,10 +25,12 @@ KINDS = ("json", "tools")
 # The dev workload's categories (workloads/specbench_offline_dev.jsonl): the answer's topic.
 TOPICS = ("code", "code_edit", "math_reasoning", "mt_bench", "qa", "rag", "summarization", "translation")
 
+# Strings are bounded: a small model can loop inside an open string until max_tokens, where the bound
+# makes the grammar close it (a bound costs compile time once: ~1.5 s for 100 characters, cached).
 ANSWER_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "answer": {"type": "string"},
+        "answer": {"type": "string", "maxLength": 100},
         "topic": {"enum": list(TOPICS)},
         "confidence": {"type": "number"},
     },
@@ -51,17 +53,20 @@ TOOLS: tuple[dict[str, Any], ...] = (
     _function(
         "run_python",
         "Run a Python program and return what it prints.",
-        {"code": {"type": "string", "description": "the complete program"}},
+        {"code": {"type": "string", "description": "the complete program", "maxLength": 300}},
     ),
     _function(
         "search_docs",
         "Search the documentation for passages.",
-        {"query": {"type": "string"}, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}},
+        {
+            "query": {"type": "string", "maxLength": 100},
+            "max_results": {"type": "integer", "minimum": 1, "maximum": 10},
+        },
     ),
     _function(
         "reply",
         "Send the final reply to the user.",
-        {"text": {"type": "string"}, "language": {"enum": ["en", "de", "fr", "es", "other"]}},
+        {"text": {"type": "string", "maxLength": 200}, "language": {"enum": ["en", "de", "fr", "es", "other"]}},
     ),
 )
 # The function each category's prompts must call.
