@@ -457,3 +457,27 @@ def first_token_tv(n: int, stochastic: bool, device: str = "cpu", vocab: int = 8
         for d in (torch.rand(vocab, generator=other, dtype=torch.float64) ** 2 for _ in range(20))
     )
     return tv, unrelated, results
+
+
+MAX_N = 10  # the shared n-gram gateway's --max-n (tests/gateway_svc/conftest.py): 10 choices a request
+
+
+def langchain_chat(gateway, max_tokens: int):
+    """LangChain's ChatOpenAI on ``gateway``, greedy."""
+    import langchain_openai
+    import openai
+
+    model = openai.OpenAI(base_url=gateway.url, api_key="unused").models.list().data[0].id
+    return langchain_openai.ChatOpenAI(
+        base_url=gateway.url, api_key="unused", model=model, temperature=0, max_tokens=max_tokens, max_retries=0,
+        timeout=300,
+    )  # fmt: skip
+
+
+def tree_path(tree, node: int) -> list[int]:
+    """The tokens from the root to ``node`` of a ``TokenTree`` (its ancestors, then itself)."""
+    out = []
+    while node >= 0:
+        out.append(tree.tokens[node])
+        node = tree.parents[node]
+    return out[::-1]

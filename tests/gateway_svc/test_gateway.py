@@ -44,16 +44,6 @@ def gateway(tmp_path_factory, verifier):
 
 
 @pytest.fixture(scope="module")
-def oai(gateway):
-    return openai.OpenAI(base_url=gateway.url, api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def grpc_client(verifier):
     with Client(verifier.address) as c:
         yield c

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import BaseModel, Field
-from support import start_gateway, start_verifier, stop_process, stop_verifier
+from support import langchain_chat
 
 langchain_openai = pytest.importorskip("langchain_openai")
 
@@ -22,22 +22,8 @@ class Place(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory, lm):
-    v = start_verifier(tmp_path_factory.mktemp("verifier"), "--proposer", "ngram=inprocess:ngram")
-    g = start_gateway(tmp_path_factory.mktemp("gateway"), v.address)
-    yield g
-    stop_process(g.proc)
-    stop_verifier(v)
-
-
-@pytest.fixture(scope="module")
-def chat(gateway):
-    import openai
-
-    model = openai.OpenAI(base_url=gateway.url, api_key="unused").models.list().data[0].id
-    return langchain_openai.ChatOpenAI(
-        base_url=gateway.url, api_key="unused", model=model, temperature=0, max_tokens=80, max_retries=0, timeout=300
-    )
+def chat(ngram_gateway):
+    return langchain_chat(ngram_gateway, max_tokens=80)
 
 
 @pytest.mark.parametrize("method", [None, "json_schema", "json_mode"])

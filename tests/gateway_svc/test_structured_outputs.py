@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from support import start_gateway, start_verifier, stop_process, stop_verifier
+from support import MAX_N
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ VERDICT_PROMPT = (
     'Is Paris the capital of France? Reply with JSON like {"answer": "yes", "confidence": 9, "reason": "it is"} '
     'or {"answer": "no", "confidence": 3, "reason": "it is not"}.'
 )
-SAMPLED, PER_REQUEST = 50, 10  # outputs, and choices per request (the gateway runs with --max-n 10)
+SAMPLED, PER_REQUEST = 50, MAX_N  # outputs, and choices per request (the gateway runs with --max-n MAX_N)
 
 
 class Place(BaseModel):
@@ -49,27 +49,8 @@ class Place(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def verifier(tmp_path_factory, lm):
-    v = start_verifier(tmp_path_factory.mktemp("verifier"), "--proposer", "ngram=inprocess:ngram")
-    yield v
-    stop_verifier(v)
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory, verifier):
-    g = start_gateway(tmp_path_factory.mktemp("gateway"), verifier.address, "--max-n", str(PER_REQUEST))
-    yield g
-    stop_process(g.proc)
-
-
-@pytest.fixture(scope="module")
-def oai(gateway):
-    return openai.OpenAI(base_url=gateway.url, api_key="unused", max_retries=0, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
+def gateway(ngram_gateway):
+    return ngram_gateway
 
 
 def _json_schema(schema: dict, name: str = "place") -> dict:

@@ -12,9 +12,7 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from support import start_gateway, start_verifier, stop_process, stop_verifier
 
 pytestmark = pytest.mark.slow
 
@@ -57,27 +55,8 @@ HERMES_CALL = (
 
 
 @pytest.fixture(scope="module")
-def verifier(tmp_path_factory, lm):
-    v = start_verifier(tmp_path_factory.mktemp("verifier"), "--proposer", "ngram=inprocess:ngram")
-    yield v
-    stop_verifier(v)
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory, verifier):
-    g = start_gateway(tmp_path_factory.mktemp("gateway"), verifier.address)
-    yield g
-    stop_process(g.proc)
-
-
-@pytest.fixture(scope="module")
-def oai(gateway):
-    return openai.OpenAI(base_url=gateway.url, api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
+def gateway(ngram_gateway):
+    return ngram_gateway
 
 
 def _ask(oai, model, stream: bool, **kw) -> list[dict]:

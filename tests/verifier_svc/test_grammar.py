@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
+from support import tree_path
 
 from specmesh_server.tree import TokenTree
 from verifier_svc.grammar import GrammarCompiler, RequestGrammar, constrain_trees, step_masks
@@ -58,14 +59,6 @@ def _fresh_row(compiled, path: list[int], width: int) -> torch.Tensor | None:
     return row[0]
 
 
-def _path(tree: TokenTree, node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(tree.tokens[node])
-        node = tree.parents[node]
-    return out[::-1]
-
-
 def test_compile_errors_name_the_field_and_compiled_grammars_are_cached(compiler) -> None:
     assert compiler.compile(JSON_SPEC) is compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
     for spec in (
@@ -97,12 +90,12 @@ def test_every_tree_nodes_mask_is_the_grammar_state_its_path_reaches_and_forbidd
         parents = [rng.randrange(-1, i) for i in range(n)]
         tokens = []
         for i in range(n):  # mostly the grammar's own next token, sometimes a random one
-            depth = len(_path(TokenTree([*tokens, 0], parents[: i + 1]), i))
+            depth = len(tree_path(TokenTree([*tokens, 0], parents[: i + 1]), i))
             at = len(prefix) + depth - 1
             tokens.append(good[at] if at < len(good) and rng.random() < 0.7 else rng.randrange(vocab))
         tree = TokenTree(tokens, parents)
         [kept] = constrain_trees([g], [tree])
-        expect_kept = [i for i in range(n) if _fresh_row(compiled, prefix + _path(tree, i), width) is not None]
+        expect_kept = [i for i in range(n) if _fresh_row(compiled, prefix + tree_path(tree, i), width) is not None]
         assert len(kept) == len(expect_kept), trial
         assert g.pruned == n - len(expect_kept)
         assert [tokens[i] for i in expect_kept] == kept.tokens
@@ -110,7 +103,7 @@ def test_every_tree_nodes_mask_is_the_grammar_state_its_path_reaches_and_forbidd
         assert masks.rows == list(range(len(kept) + 1))
         assert torch.equal(masks.bitmask[0], _fresh_row(compiled, prefix, width))
         for j in range(len(kept)):
-            assert torch.equal(masks.bitmask[j + 1], _fresh_row(compiled, prefix + _path(kept, j), width)), trial
+            assert torch.equal(masks.bitmask[j + 1], _fresh_row(compiled, prefix + tree_path(kept, j), width)), trial
         assert torch.equal(_row_of(g), _fresh_row(compiled, prefix, width))  # traversal rolled back
 
 
@@ -317,7 +310,7 @@ def test_sampled_acceptance_under_a_grammar_mask_emits_the_constrained_targets_d
     [kept] = constrain_trees([g], [tree])
     assert g.pruned == 1 and len(kept) == 4  # "yellow" is not a choice
     masks = step_masks([g], [kept])
-    paths = [[]] + [_path(kept, i) for i in range(len(kept))]
+    paths = [[]] + [tree_path(kept, i) for i in range(len(kept))]
 
     with torch.inference_mode():
         raw = torch.stack([lm.model(torch.tensor([prompt + p])).logits[0, -1].float() for p in paths])

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from support import assert_greedy_equal, greedy_prompt_ids
+from support import assert_greedy_equal, greedy_prompt_ids, tree_path
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -103,14 +103,6 @@ def _random_tree(rng: random.Random, n: int) -> TokenTree:
     return TokenTree([rng.randrange(V) for _ in range(n)], parents)
 
 
-def _path(tree: TokenTree, node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(tree.tokens[node])
-        node = tree.parents[node]
-    return out[::-1]
-
-
 def test_every_tree_rows_controls_are_plain_decodings_had_its_path_been_generated() -> None:
     """A batch of three requests (one without controls) with random trees: each node's row equals
     the row plain decoding computes after output + the node's path (min_tokens by depth included)."""
@@ -131,7 +123,7 @@ def test_every_tree_rows_controls_are_plain_decodings_had_its_path_been_generate
     row = 0
     for req, output, tree in zip(reqs, outputs, trees, strict=True):
         for node in range(-1, len(tree)):
-            plain = output + (_path(tree, node) if node >= 0 else [])
+            plain = output + (tree_path(tree, node) if node >= 0 else [])
             want = process_logits(logits[row : row + 1].clone(), [req], [plain], [TokenTree([], [])], EOS)
             torch.testing.assert_close(got[row : row + 1], want, rtol=0, atol=1e-6)
             row += 1
@@ -179,7 +171,7 @@ def test_random_batches_of_trees_equal_the_dense_formulas_row_by_row(seed: int) 
     row = 0
     for req, output, tree in zip(reqs, outputs, trees, strict=True):
         for node in range(-1, len(tree)):
-            want = _dense_reference(logits[row], req, output + (_path(tree, node) if node >= 0 else []))
+            want = _dense_reference(logits[row], req, output + (tree_path(tree, node) if node >= 0 else []))
             torch.testing.assert_close(got[row], want, rtol=0, atol=1e-5)
             row += 1
 
