@@ -341,6 +341,27 @@ def assert_wrong_rules_fail(probs, out, emitted, control: int = 2_000) -> None:
             assert_chi_square(torch.tensor([e[0] for e in emitted(rule, control)]), probs[0], rule.__name__)
 
 
+def assert_walks_follow(paths, probs, out, emitted, want) -> None:
+    """The tree-walk checks of the distribution tests: for each row (``paths[i]``: its node's path, the
+    root's empty), its probabilities equal ``want(i, path)`` (float64 [V]) within 1e-6; the token
+    emitted after the node, among walks that accepted its path, follows them (chi-square, nodes
+    reached by ≥ 1,000 walks; the root's and a depth-1 node's at least); and the wrong rules fail."""
+    from collections import Counter
+
+    import torch
+
+    tested = Counter()
+    for index, path in enumerate(paths):
+        expected = want(index, path)
+        torch.testing.assert_close(probs[index], expected, rtol=0, atol=1e-6)
+        sample = torch.tensor([e[len(path)] for e in out if len(e) > len(path) and e[: len(path)] == path])
+        if len(sample) >= 1_000:
+            assert_chi_square(sample, expected, f"token after {path} ({len(sample)} walks)")
+            tested[len(path)] += 1
+    assert set(tested) >= {0, 1}, dict(tested)
+    assert_wrong_rules_fail(probs, out, emitted)
+
+
 def start_redis(port: int) -> subprocess.Popen:
     """A throwaway, non-persistent redis-server on ``port``; returns once it answers PING."""
     import pytest

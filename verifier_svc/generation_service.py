@@ -77,8 +77,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         assert self._grammars is not None
         loop = asyncio.get_running_loop()
         compiled = await loop.run_in_executor(self.grammar_pool, self._grammars.compile, req.structured_output)
-        grammars = self._grammars
-        return RequestGrammar.start(compiled, self.limits.vocab_size, grammars.encode, grammars.banned)
+        return self._grammars.request(compiled)
 
     def _logprobs_pb(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[generation_pb2.TokenLogprob]:
         text = self.token_text

@@ -75,10 +75,17 @@ class GrammarCompiler:
         # Forced continuations are encoded on the engine thread with a tokenizer of its own (a fast
         # tokenizer's settings must not change under another thread's call); they repeat (JSON keys).
         raw = copy.deepcopy(getattr(tokenizer, "backend_tokenizer", None) or tokenizer)
-        if hasattr(tokenizer, "backend_tokenizer"):
-            self.encode = functools.lru_cache(4096)(lambda text: tuple(raw.encode(text, add_special_tokens=False).ids))
-        else:
-            self.encode = functools.lru_cache(4096)(lambda text: tuple(raw.encode(text, add_special_tokens=False)))
+
+        def encode(text: str) -> tuple[int, ...]:
+            ids = raw.encode(text, add_special_tokens=False)
+            return tuple(getattr(ids, "ids", ids))  # a tokenizers Encoding, or a slow tokenizer's list
+
+        self.encode = functools.lru_cache(4096)(encode)
+
+    def request(self, compiled: xgr.CompiledGrammar) -> RequestGrammar:
+        """A new request's grammar state: a matcher of ``compiled``, with this tokenizer's forced-text
+        encoder and banned tokens."""
+        return RequestGrammar.start(compiled, self.vocab_size, self.encode, self.banned)
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The compiled grammar of ``spec`` (cached); ``InvalidRequest`` naming its field if it does not compile."""
@@ -299,17 +306,15 @@ def constrain_trees(
             first, sibling = tree_links(tree.parents)
             draft = torch.tensor([0, *tree.tokens], dtype=torch.int64)  # node 0's token is not read
             g.matcher.traverse_draft_tree(torch.from_numpy(first), torch.from_numpy(sibling), draft, rows)
-            if g.banned is not None:
-                rows[:, g.banned[0]] &= g.banned[1]
-            keep = allowed_nodes(rows, tree.tokens, tree.parents)
-            if not keep.all():
-                g.pruned += int((~keep).sum())
-                tree = prune(tree, keep, rows)
-                rows = rows[torch.from_numpy(np.r_[True, keep])]
         else:
             g.matcher.fill_next_token_bitmask(rows)
-            if g.banned is not None:
-                rows[:, g.banned[0]] &= g.banned[1]
+        if g.banned is not None:  # before pruning: a drafted banned token is cut too
+            rows[:, g.banned[0]] &= g.banned[1]
+        keep = allowed_nodes(rows, tree.tokens, tree.parents)
+        if not keep.all():
+            g.pruned += int((~keep).sum())
+            tree = prune(tree, keep, rows)
+            rows = rows[torch.from_numpy(np.r_[True, keep])]
         g.rows = rows
         out.append(tree)
     return out

@@ -276,9 +276,8 @@ def test_sampled_acceptance_with_controls_emits_plain_decodings_distribution_at_
     transformers' MinPLogitsWarper), and the token emitted after each node, given the walk accepted
     that node's path, follows it (chi-square, p = 0.001, nodes reached by ≥ 1,000 walks). Negative
     controls: rules that accept drafts too often or forget the residual fail on 2,000 seeds."""
-    from collections import Counter
 
-    from support import assert_chi_square, assert_wrong_rules_fail, seeded_tree_walks
+    from support import assert_walks_follow, seeded_tree_walks
 
     prompt = chat_ids("Give me a random number between 1 and 10.")
 
@@ -310,13 +309,4 @@ def test_sampled_acceptance_with_controls_emits_plain_decodings_distribution_at_
             x = MinPLogitsWarper(controls["min_p"])(torch.zeros(1, 1, dtype=torch.long), x[None])[0]
         return torch.softmax(x, -1).double()
 
-    tested = Counter()
-    for index, path in enumerate(paths):
-        want = reference(logits[index], output + path)
-        torch.testing.assert_close(probs[index], want, rtol=0, atol=1e-6)
-        sample = torch.tensor([e[len(path)] for e in out if len(e) > len(path) and e[: len(path)] == path])
-        if len(sample) >= 1_000:
-            assert_chi_square(sample, want, f"token after {path} ({len(sample)} walks)")
-            tested[len(path)] += 1
-    assert set(tested) >= {0, 1}, dict(tested)
-    assert_wrong_rules_fail(probs, out, emitted)
+    assert_walks_follow(paths, probs, out, emitted, lambda index, path: reference(logits[index], output + path))
