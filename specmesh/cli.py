@@ -92,6 +92,7 @@ def _deployment(args: argparse.Namespace):
         model=args.model,
         verifier_address=args.verifier_address,
         verifier_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         redis_url=args.redis_url,
         rag_address=args.rag,
         suffix_address=args.suffix,
@@ -346,10 +347,25 @@ def _ssl_context(ca: Path):
     return ssl.create_default_context(cafile=str(ca))
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--verifier-address", default=DEFAULT_ADDRESS)
     p.add_argument("--threads", type=int, default=0, help="torch threads of the verifier (0 = default)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="the verifier shards the target over N ranks (processes) on this machine; on a GPU, rank r "
+        "uses cuda:r (default 1)",
+    )
     p.add_argument("--run-dir", default=None, help="where logs and the deployment state file go")
     p.add_argument(
         "--rag", default="", metavar="ADDRESS", help="also start the rag proposer here (e.g. 127.0.0.1:50063)"

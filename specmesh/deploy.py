@@ -75,6 +75,7 @@ class DeploymentConfig:
     model: str | None = None
     verifier_address: str = "127.0.0.1:50051"
     verifier_threads: int = 0
+    tensor_parallel_size: int = 1  # the verifier's ranks (`--tensor-parallel-size`; it starts the others itself)
     ngram_address: str = "127.0.0.1:50061"  # "" = no n-gram proposer
     suffix_address: str = "127.0.0.1:50064"  # the suffix proposer (learns from every output); "" = none
     suffix_args: tuple[str, ...] = ()  # more `specmesh serve suffix` flags
@@ -171,6 +172,8 @@ class LocalDeployment:
             verifier_args += ["--redis-url", config.redis_url]
         if config.verifier_threads:
             verifier_args += ["--threads", str(config.verifier_threads)]
+        if config.tensor_parallel_size > 1:
+            verifier_args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
         verifier = [*serve, "verifier", *verifier_args, *config.extra_verifier_args]
         self.services = [*proposers, Service("verifier", config.verifier_address, verifier)]
         if config.gateway_address:  # after the verifier: its /health reflects the verifier's

@@ -30,8 +30,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu")
-OVERLAYS = ("overlays/cpu", "overlays/gpu")
+KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "overlays/gpu-tp")
+OVERLAYS = ("overlays/cpu", "overlays/gpu", "overlays/gpu-tp")
 # The optional head proposer: a component (k8s/components/head), in no kustomization by default.
 # "FOLDER+head" names FOLDER with it enabled inside, as k8s/README.md says (the overlays' commented
 # `components:` entry uncommented); every check below runs on those too.
@@ -856,7 +856,27 @@ def device_of(container: dict[str, Any]) -> str:
     return flags.get("--device", [env.get("SPECMESH_DEVICE", "")])[0]
 
 
-@pytest.mark.parametrize("kustomization", ["overlays/gpu", "overlays/gpu+head"])
+def tensor_parallel_size(container: dict[str, Any]) -> int:
+    """The verifier's ranks: ``--tensor-parallel-size`` or ``SPECMESH_TENSOR_PARALLEL_SIZE``, else 1."""
+    env = literal_env(container)
+    flags = flag_values([expand(a, env) for a in container["args"]])
+    return int(flags.get("--tensor-parallel-size", [env.get("SPECMESH_TENSOR_PARALLEL_SIZE", "1")])[0])
+
+
+GIB = {"Mi": 1 / 1024, "Gi": 1, "Ti": 1024}
+
+
+def gib(quantity: str) -> float:
+    """A Kubernetes memory quantity with a binary suffix (Mi, Gi, Ti), in GiB."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(Mi|Gi|Ti)", quantity)
+    assert m, f"unexpected quantity {quantity!r}"
+    return float(m.group(1)) * GIB[m.group(2)]
+
+
+GPU_OVERLAYS = ["overlays/gpu", "overlays/gpu+head", "overlays/gpu-tp", "overlays/gpu-tp+head"]
+
+
+@pytest.mark.parametrize("kustomization", GPU_OVERLAYS)
 def test_the_gpu_overlay_puts_verifier_and_draft_on_their_own_gpus(kustomization):
     for name, _, c in specmesh_containers(kustomization):
         gpus = int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
@@ -866,8 +886,41 @@ def test_the_gpu_overlay_puts_verifier_and_draft_on_their_own_gpus(kustomization
                 and c["resources"]["requests"].get("nvidia.com/gpu") == c["resources"]["limits"]["nvidia.com/gpu"]
             )
             assert device_of(c) == "cuda" and c["image"].endswith("-cuda"), name
+            if name == "verifier":  # one GPU per rank: rank r on cuda:r
+                ranks = tensor_parallel_size(c)
+                assert ranks == gpus, f"{kustomization}: {gpus} GPUs for {ranks} ranks"
         else:
             assert gpus == 0 and c["image"].endswith("-cpu"), name
+
+
+@pytest.mark.parametrize("kustomization", ["overlays/gpu-tp", "overlays/gpu-tp+head"])
+def test_the_gpu_tp_overlay_runs_a_two_rank_verifier_beside_a_one_gpu_draft(kustomization):
+    containers = {name: (pod, c) for name, pod, c in specmesh_containers(kustomization)}
+    pod, verifier = containers["verifier"]
+    resources = verifier["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "2"
+    assert tensor_parallel_size(verifier) == 2
+    # NCCL's shared memory: a memory-backed emptyDir at /dev/shm, within the container's memory limit.
+    (mount,) = [m for m in verifier["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert not mount.get("readOnly")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    shm = gib(volume["emptyDir"]["sizeLimit"])
+    assert 1 <= shm < gib(resources["limits"]["memory"]), "/dev/shm counts against the memory limit"
+    # The draft proposer: the gpu overlay's own one-GPU Deployment, not part of the verifier's group.
+    _, draft = containers["draft"]
+    assert draft["resources"]["requests"]["nvidia.com/gpu"] == draft["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert device_of(draft) == "cuda"
+    # Everything but the verifier is the gpu overlay's, unchanged.
+    gpu = by_key(render(kustomization.replace("gpu-tp", "gpu")))
+    tp = by_key(render(kustomization))
+    assert set(tp) == set(gpu)
+    assert [key for key in tp if tp[key] != gpu[key]] == [("Deployment", "verifier")]
+    # The other kustomizations keep one rank and the runtime's /dev/shm.
+    for other in (k for k in ALL if not k.startswith("overlays/gpu-tp")):
+        c = next(c for name, _, c in specmesh_containers(other) if name == "verifier")
+        assert tensor_parallel_size(c) == 1, other
+        assert not [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"], other
 
 
 @pytest.mark.parametrize("kustomization", ["overlays/cpu", "overlays/cpu+head"])
@@ -1049,8 +1102,8 @@ def test_the_head_component_works_from_an_overlay_of_ones_own(overlay):
     head_image = rendered[("Deployment", "head")]["spec"]["template"]["spec"]["containers"][0]["image"]
     ngram_image = rendered[("Deployment", "ngram")]["spec"]["template"]["spec"]["containers"][0]["image"]
     assert head_image == cpu_image == ngram_image
-    if overlay == "overlays/gpu":  # no head patches there: the same as enabling it inside the overlay
-        assert rendered == by_key(render("overlays/gpu+head"))
+    if overlay in ("overlays/gpu", "overlays/gpu-tp"):  # no head patches there: as enabling it inside the overlay
+        assert rendered == by_key(render(f"{overlay}+head"))
 
 
 def test_the_head_proposer_loads_the_verifiers_target():

@@ -112,3 +112,24 @@ def test_bench_head_mode_needs_a_head_folder_for_its_local_deployment(capsys):
         parse_args(["--modes", "plain,head"])
     assert "--head DIR" in capsys.readouterr().err
     assert parse_args(["--modes", "plain,head", "--target", "10.0.0.5:50051"]).head == ""  # its verifier has one
+
+
+def test_up_tensor_parallel_size_reaches_the_verifier_only(tmp_path):
+    """`specmesh up --tensor-parallel-size N`: the verifier starts its other ranks itself, so the flag
+    goes to its command line alone (no extra service); N = 1 passes nothing."""
+    from verifier_svc.config import parse_args as verifier_args
+
+    argv = ["up", "--tensor-parallel-size", "2", "--draft", "127.0.0.1:50062", "--run-dir", str(tmp_path)]
+    dep = cli._deployment(cli.build_parser().parse_args(argv))
+    verifier = dep.services_by_name["verifier"].argv
+    assert verifier[verifier.index("--tensor-parallel-size") + 1] == "2"
+    assert verifier_args(verifier[5:]).tensor_parallel_size == 2  # [python, -m, specmesh, serve, verifier, …]
+    assert [s.name for s in dep.services] == ["ngram", "suffix", "draft", "verifier", "gateway"]
+    for s in dep.services:
+        if s.name != "verifier":
+            assert not [a for a in s.argv if "tensor-parallel" in a], s.argv
+    default = cli._deployment(cli.build_parser().parse_args(["up", "--run-dir", str(tmp_path)]))
+    assert default.config.tensor_parallel_size == 1
+    assert not [a for a in default.services_by_name["verifier"].argv if "tensor-parallel" in a]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["up", "--tensor-parallel-size", "0"])
