@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
@@ -58,6 +59,7 @@ from specmesh_bench.runner import (
 )
 from specmesh_bench.structured import KINDS as STRUCTURED_KINDS
 from specmesh_bench.structured import structure
+from specmesh_bench.verifier_metrics import VerifierMeter
 from specmesh_bench.workload import (
     DEFAULT_WORKLOAD,
     BenchPrompt,
@@ -180,6 +182,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pld-sweep", default="3,5,10", help="prompt_lookup_num_tokens values for hf-pld (best is kept)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the verifier and the hf-* modes")
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="local deployment only: shard the verifier's target over N ranks (the verifier starts the N-1 others "
+        "itself; gloo on CPUs). The ranks share the cores: each gets max(1, --threads // N) torch threads (the "
+        "hf-* modes keep --threads). With N > 1, summary.md and tensor_parallel.json give each run's decode steps, "
+        "mean step time and mean all-reduce time per decode step, read from the verifier's /metrics",
+    )
+    p.add_argument(
         "--tls",
         action="store_true",
         help="local deployment only: mutual TLS on every hop (a throwaway CA, as `specmesh up --tls`)",
@@ -230,6 +242,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--warmup-limit needs --warmup-workload")
     if a.warmup_limit is not None and a.warmup_limit < 1:
         p.error("--warmup-limit must be at least 1")
+    if a.tensor_parallel_size < 1:
+        p.error("--tensor-parallel-size must be at least 1")
+    if a.tensor_parallel_size > 1 and a.target:
+        p.error("--tensor-parallel-size configures the local deployment's verifier; a --target brings its own")
     if a.structured and a.turns == 2:
         p.error("--structured runs first turns only (--turns 1)")
     a.turns = a.turns or (1 if a.structured else 2)
@@ -398,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
         from tqdm import tqdm  # with transformers ([serve]) and openai ([bench]); on stderr
 
         set_oracle = oracle.servicer.set_continuation if oracle else None
+        metrics_url = verifier_metrics_url(dep.config) if dep is not None and a.tensor_parallel_size > 1 else ""
+        meter = VerifierMeter(metrics_url) if metrics_url else None  # all-reduce time per decode step
         router_stats: list[str] = []  # the router's statistics as each block left them
         runner = BenchRunner(
             config,
@@ -408,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
             warmup=warmup if any(m in LEARNING_MODES for m in modes) else (),
             log=lambda line: tqdm.write(line, file=sys.stderr),
             block_done=lambda sampling, c: router_stats.append(_router_stats(client, f"after {sampling} c={c}")),
+            meter=meter.wave if meter is not None else None,
         )
         if a.turns > 1:  # before the hf-* model loads: the answers come from the deployment
             prompts += second_turns(prompts, runner.first_answers(prompts), encode_chat)
@@ -422,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
             "cpu": cpu_name(),
             "gpu": _gpu_name(),
             "threads": a.threads,
+            "tensor_parallel_size": dep.config.tensor_parallel_size if dep is not None else None,
+            "verifier_threads": dep.config.verifier_threads if dep is not None else None,
             "git_commit": git_commit(),
             "max_tokens": a.max_tokens,
             "limit": a.limit,
@@ -456,13 +477,19 @@ def main(argv: list[str] | None = None) -> None:
     transports = gateway_vs_grpc(records)
     ratios = {(x, y): mode_ratios(main_records, x, y) for x, y in COMPARED}
     intervals = {(x, y): mode_intervals(main_records, x, y) for x, y in COMPARED}
-    text = markdown(rows, meta, pipeline_overhead(main_records), failures, transports, ratios, intervals)
+    tensor_parallel = meter.rows() if meter is not None else []
+    text = markdown(
+        rows, meta, pipeline_overhead(main_records), failures, transports, ratios, intervals, tensor_parallel
+    )
     (out_dir / "summary.md").write_text(text)
     (out_dir / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     written = ["records.jsonl", "summary.md", "summary.json"]
     if any(router_stats):
         (out_dir / "router_stats.txt").write_text("".join(router_stats))
         written.append("router_stats.txt")
+    if tensor_parallel:
+        (out_dir / "tensor_parallel.json").write_text(json.dumps([asdict(r) for r in tensor_parallel], indent=1))
+        written.append("tensor_parallel.json")
     if transports:
         (out_dir / "gateway_vs_grpc.json").write_text(json.dumps([asdict(r) for r in transports], indent=1))
         written.append("gateway_vs_grpc.json")
@@ -501,6 +528,9 @@ def local_deployment(
     ('heads/h', True, True, False)
     >>> cfg.extra_verifier_args[cfg.extra_verifier_args.index("--auto-proposers") + 1]
     'ngram,suffix,head'
+
+    ``--tensor-parallel-size N`` > 1: N ranks sharing ``--threads`` (``verifier_threads``), and a
+    /metrics port for the bench to read (unless a ``--verifier-arg`` gives one).
     """
     from specmesh.deploy import DeploymentConfig, free_port
 
@@ -510,10 +540,14 @@ def local_deployment(
     tiers = {"suffix": suffix, "rag": a.rag, "draft": a.draft_model, "head": a.head}  # `auto` may pick, besides ngram
     auto = ",".join(["ngram", *(name for name, started in tiers.items() if started)])
     extra += ["--auto-proposers", auto, *a.verifier_arg]
+    tp = a.tensor_parallel_size
+    if tp > 1 and not int(_flag_value(a.verifier_arg, "--metrics-port") or 0):
+        extra += ["--metrics-port", str(free_port())]
     return DeploymentConfig(
         model=model,
         verifier_address=f"127.0.0.1:{free_port()}",
-        verifier_threads=a.threads,
+        verifier_threads=max(1, a.threads // tp) if a.threads > 0 else 0,  # the ranks share the cores
+        tensor_parallel_size=tp,
         ngram_address=ngram,
         suffix_address=suffix,
         rag_address=f"127.0.0.1:{free_port()}" if a.rag else "",
@@ -527,6 +561,36 @@ def local_deployment(
         tls=a.tls,
         auth=a.auth,
     )
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value given to ``flag`` among command-line ``args`` (``--flag V`` or ``--flag=V``).
+
+    >>> _flag_value(["--metrics-port", "9", "--x", "--metrics-port=10"], "--metrics-port")
+    '10'
+    """
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def verifier_metrics_url(config: DeploymentConfig) -> str:
+    """The local verifier's /metrics URL, "" where it serves none (no ``--metrics-port``).
+
+    >>> from specmesh.deploy import DeploymentConfig
+    >>> verifier_metrics_url(DeploymentConfig(extra_verifier_args=("--metrics-port", "7")))
+    'http://127.0.0.1:7/metrics'
+    """
+    port = int(_flag_value(config.extra_verifier_args, "--metrics-port") or 0)
+    if not port:
+        return ""
+    host = _flag_value(config.extra_verifier_args, "--metrics-address") or config.verifier_address.rsplit(":", 1)[0]
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+    return f"http://{host}:{port}/metrics"
 
 
 def _http_target(a: argparse.Namespace, modes: list[str], prompts: list[BenchPrompt]) -> HttpTarget:

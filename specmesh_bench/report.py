@@ -22,6 +22,10 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specmesh_bench.verifier_metrics import TensorParallelRow
 
 OVERALL = "overall"
 
@@ -488,17 +492,16 @@ def markdown(
     transports: list[TransportRow] | None = None,
     ratios: dict[tuple[str, str], dict[tuple[str, int], dict[str, float]]] | None = None,
     intervals: dict[tuple[str, str], dict[tuple[str, int], Interval]] | None = None,
+    tensor_parallel: list[TensorParallelRow] | None = None,
 ) -> str:
     """``ratios``: (a, b) → ``mode_ratios(records, a, b)``, one line per run after its tables, with
-    ``intervals``' (a, b) → ``mode_intervals(records, a, b)`` where given."""
+    ``intervals``' (a, b) → ``mode_intervals(records, a, b)`` where given; ``tensor_parallel``: the
+    runs' all-reduce rows (``VerifierMeter.rows``), a section of their own where given."""
     if meta.get("target", "").startswith(("http://", "https://")):  # the bench runs here, the server elsewhere
         served = f"server: {meta.get('model')} at {meta['target']} (owned_by {meta.get('http_server') or '?'})"
         served += f", verifier {meta['dtype']} on {meta['device']}" if meta.get("device") else ""
     else:
-        served = (
-            f"verifier: {meta.get('model')} {meta.get('dtype')} on {meta.get('device')}, "
-            f"{meta.get('threads') or 'default'} torch threads"
-        )
+        served = f"verifier: {meta.get('model')} {meta.get('dtype')} on {meta.get('device')}, " + _verifier_layout(meta)
     lines = [
         f"# specmesh bench — {meta.get('started', '')}",
         "",
@@ -571,7 +574,54 @@ def markdown(
         lines.append("")
     if transports:
         lines += transport_markdown(transports)
+    if tensor_parallel:
+        lines += tensor_parallel_markdown(tensor_parallel, meta.get("tensor_parallel_size"))
     return "\n".join(lines)
+
+
+def _verifier_layout(meta: dict) -> str:
+    """The local verifier's ranks and threads (a ``--target`` verifier's are not known here).
+
+    >>> _verifier_layout({"threads": 2, "tensor_parallel_size": 1, "verifier_threads": 2})
+    'TP=1, 2 torch threads'
+    >>> _verifier_layout({"threads": 2, "tensor_parallel_size": 2, "verifier_threads": 1})
+    'TP=2, 1 torch thread per rank'
+    >>> _verifier_layout({"threads": 4})
+    '4 torch threads'
+    """
+    tp = meta.get("tensor_parallel_size")
+    if tp is None:
+        return f"{meta.get('threads') or 'default'} torch threads"
+    n = meta.get("verifier_threads")
+    threads = f"{n or 'default'} torch thread{'' if n == 1 else 's'}"
+    return f"TP={tp}, {threads}" + (" per rank" if tp > 1 else "")
+
+
+def tensor_parallel_markdown(rows: list[TensorParallelRow], size: int | None) -> list[str]:
+    """The "Tensor parallel" section: per run, the all-reduce time in a decode step.
+
+    >>> from specmesh_bench.verifier_metrics import DecodeTotals, tensor_parallel_row
+    >>> tensor_parallel_markdown([tensor_parallel_row("greedy", 1, "plain", DecodeTotals(4, 0.2, 0.05, 4))], 2)[-2]
+    '| greedy | 1 | plain | 4 | 50.0 | 12.50 | 25% |'
+    """
+    lines = [
+        f"## Tensor parallel (TP={size or '?'}): all-reduce per decode step",
+        "",
+        "Read from the verifier's /metrics before and after each mode's requests in every wave, summed per run: "
+        "decode forwards, their mean time (specmesh_step_seconds), and the mean time rank 0 spent in all-reduces "
+        "within one (specmesh_tensor_parallel_all_reduce_seconds), with its share of the forward.",
+        "",
+        "| sampling | streams | mode | decode steps | step ms | all-reduce ms | all-reduce share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r.sampling, r.concurrency, _MODE_RANK.get(r.mode, 99))):
+        step = r.decode_step_s * 1e3 if r.decode_step_s is not None else None
+        reduce = r.all_reduce_s * 1e3 if r.all_reduce_s is not None else None
+        lines.append(
+            f"| {r.sampling} | {r.concurrency} | {r.mode} | {r.decode_steps} | {_fmt(step, '.1f')} "
+            f"| {_fmt(reduce, '.2f')} | {_fmt(r.all_reduce_share, '.0%')} |"
+        )
+    return [*lines, ""]
 
 
 def structured_markdown(overall: list[Row], kind: str) -> list[str]:

@@ -30,6 +30,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -448,7 +449,9 @@ class BenchRunner:
     learning mode's scope before its measured requests (see the module's docstring); ``run_token``
     names this invocation's scopes (random by default); ``log``: progress lines (stderr);
     ``block_done(sampling, concurrency)``: called after each block's last request, before the next
-    block's warm-up (e.g. to read the router's statistics as that block left them)."""
+    block's warm-up (e.g. to read the router's statistics as that block left them); ``meter(mode,
+    sampling, concurrency)``: a context around each wave's requests of a service mode (e.g. reading
+    the verifier's metrics before and after them)."""
 
     def __init__(
         self,
@@ -461,9 +464,10 @@ class BenchRunner:
         run_token: str | None = None,
         log: Callable[[str], None] | None = None,
         block_done: Callable[[str, int], None] | None = None,
+        meter: Callable[[str, str, int], AbstractContextManager] | None = None,
     ) -> None:
         self.config, self.targets, self.hf, self.set_oracle = config, list(targets), hf, set_oracle
-        self.block_done = block_done
+        self.block_done, self.meter = block_done, meter
         self.corrupt_mode = corrupt_mode
         self.warmup = list(warmup)
         self.run_token = run_token or secrets.token_hex(4)
@@ -634,8 +638,9 @@ class BenchRunner:
                         self.set_oracle(prompt.token_ids, r["token_ids"])
             seeds = [zlib.crc32(f"{p.row_id}/{w}/{j}".encode()) for j, p in enumerate(wave)]  # same for every mode
             k = w % len(self.targets)
-            for target in self.targets[k:] + self.targets[:k]:  # which transport goes first alternates
-                records.extend(self._wave(target, wave, mode, sampling, seeds, c, w))
+            with self.meter(mode, sampling, c) if self.meter is not None else nullcontext():
+                for target in self.targets[k:] + self.targets[:k]:  # which transport goes first alternates
+                    records.extend(self._wave(target, wave, mode, sampling, seeds, c, w))
         if sampling == "greedy":
             for j in range(len(wave)):  # each prompt of the wave against its own plain output
                 _mark_lossless([r for r in records if r.get("slot", 0) == j], self.corrupt_mode)
