@@ -32,6 +32,22 @@ REQUEST_STATUSES = ("ok", "error", "rejected", "cancelled", "deadline_exceeded",
 FALLBACK_CATEGORIES = ("timeout", "unavailable", "stream_ended", "precondition", "invalid_argument", "error")
 
 
+class AllReduceClock:
+    """Seconds spent in the all-reduces since the last :meth:`take` (one process's row-parallel layers)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+    def take(self) -> tuple[float, int]:
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
+ALL_REDUCES = AllReduceClock()  # the row-parallel layers' (``tensor_parallel``)
+
+
 def batch_class(rows: int) -> str:
     """A bounded label for a forward's batch size (requests in it): powers of two, then "33+".
 
@@ -161,6 +177,13 @@ class VerifierMetrics:
             "specmesh_step_seconds",
             "Engine forward time by phase and batch size (requests in the forward, bucketed: batch_class)",
             ["phase", "batch", *m],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.all_reduce_seconds = Histogram(
+            "specmesh_tensor_parallel_all_reduce_seconds",
+            "Time a forward of a tensor-parallel target spent in its all-reduces (rank 0), by phase",
+            ["phase", *m],
             buckets=STEP_BUCKETS,
             registry=r,
         )
@@ -322,6 +345,9 @@ class VerifierMetrics:
             )
         children[0].observe(seconds)
         children[1].inc(tokens)
+        reduced, calls = ALL_REDUCES.take()
+        if calls:
+            self.all_reduce_seconds.labels(phase, self.model).observe(reduced)
 
     def speculation(
         self,

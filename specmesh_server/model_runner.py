@@ -16,8 +16,10 @@ import torch
 
 from specmesh_router.cost_model import ContextCost, StepCost
 from specmesh_server import attention, packed_linear
+from specmesh_server.kv_blocks import BlockTable
 from specmesh_server.kv_cache import SlotKVCache, bytes_per_position, default_budget_bytes
 from specmesh_server.paged_kv import PagedKVCache
+from specmesh_server.tensor_parallel import Leader, Ranks, Shard
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -44,6 +46,9 @@ class ModelRunner:
         kv_budget_bytes: int | None = None,
         block_size: int | None = None,
         prefix_caching: bool = True,
+        shard: Shard | None = None,
+        ranks: Ranks | None = None,
+        leader: Leader | None = None,
     ) -> None:
         """``tree_kernel``: tree steps through the Triton tree-attention kernel; default on CUDA only.
         Otherwise SDPA over the cache without repeating K/V (both in ``attention``; models it does not
@@ -52,7 +57,10 @@ class ModelRunner:
         pre-packed weights (``packed_linear``; ignored where unsupported).
         ``kv_budget_bytes``: the KV cache never allocates more (None: unbounded; paged: 30 % of what is free).
         ``block_size``: a paged cache of blocks of this many positions (``paged_kv``, prefix caching
-        as ``prefix_caching`` says); None: the slot cache (``kv_cache``)."""
+        as ``prefix_caching`` says); None: the slot cache (``kv_cache``).
+        ``shard``, ``ranks``: ``model`` is this rank's shard (``tensor_parallel.shard_model``): the cache
+        holds its key/value heads, in as many blocks as every rank's budget holds (agreed over ``ranks``).
+        ``leader`` (rank 0): every forward and cache copy is first sent to the other ranks."""
         # Counted before packing (packed layers keep their weights outside nn.Parameters).
         weights = sum(
             p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
@@ -70,7 +78,12 @@ class ModelRunner:
         kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
         self.vocab_size = int(text_cfg.vocab_size)
         layers, heads = text_cfg.num_hidden_layers, text_cfg.num_attention_heads
-        bytes_per_token = bytes_per_position(layers, kv_heads, head_dim, dtype)
+        self.leader = leader
+        budget_heads = kv_heads
+        if shard is not None:  # this rank's heads; the budget in blocks of the rank holding the most
+            kv_heads, budget_heads = shard.local_kv_heads, shard.max_kv_heads
+            heads = (shard.heads[1] - shard.heads[0]) or heads
+        bytes_per_token = bytes_per_position(layers, budget_heads, head_dim, dtype)
         # A new token's linear layers (2 flops per weight) cost as much as attending this many cached
         # keys (4 flops per key, head dimension, head and layer): how prefill work grows with position.
         self.keys_per_token = max(weights / (2 * head_dim * heads * layers), 256.0)
@@ -81,7 +94,11 @@ class ModelRunner:
         self.cache: PagedKVCache | SlotKVCache
         if block_size is not None:
             budget = default_budget_bytes(device) if kv_budget_bytes is None else kv_budget_bytes
+            if kv_budget_bytes is None and ranks is not None and device.type == "cpu":
+                budget //= ranks.world  # the ranks share the host's memory
             blocks = budget // (bytes_per_token * block_size) - 1  # and the scratch block: within the budget
+            if ranks is not None:  # block ids mean the same slots on every rank: the fewest blocks any holds
+                blocks = _agreed_min(blocks, ranks)
             # On a CPU this module's attention reads the blocks where they lie; elsewhere (one launch over
             # the batch, the tree kernel) the rows' blocks are gathered.
             in_place = supported and device.type == "cpu" and not self.tree_kernel
@@ -121,6 +138,8 @@ class ModelRunner:
         ``tree_meta`` (where ``tree_kernel``): the kernel's form of ``mask``, built by the caller from its
         trees (``tree_meta_from_trees``); otherwise derived from ``mask``, which costs a device read.
         """
+        if self.leader is not None:  # the other ranks run the same forward on their shards
+            self.leader.send("forward", rows, input_ids, positions, mask, write_pos, packing, tree_meta)
         kv_len = mask.shape[-1]
         write_pos = positions if write_pos is None else write_pos
         tree: dict[str, Any] = {}
@@ -155,10 +174,24 @@ class ModelRunner:
         )
         return out.last_hidden_state
 
+    def copy_positions(self, table: BlockTable, src: torch.Tensor, dst_start: int) -> None:
+        """The paged cache's ``copy_positions`` (accepted tree nodes into path order), on every rank."""
+        if self.leader is not None:
+            self.leader.send("copy", list(table.blocks), src, dst_start)
+        self.cache.copy_positions(table, src, dst_start)
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] → fp32 [..., vocab]."""
         return self.lm_head(hidden).float()
+
+
+def _agreed_min(value: int, ranks: Ranks) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ranks.control)
+    return int(t.item())
 
 
 def measure_step_cost(

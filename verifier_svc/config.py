@@ -21,7 +21,9 @@ class VerifierConfig:
     model: str | None = None  # None = the default model
     device: str | None = None
     dtype: str | None = None
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    threads: int = 0  # torch intra-op threads; 0 = torch's default (under tensor parallelism: the cores / ranks)
+    tensor_parallel_size: int = 1  # ranks the target is sharded over (``tensor_parallel``)
+    tensor_parallel_timeout_s: float = 60.0  # bound on every collective wait; past it a rank counts as failed
     packed_linears: bool = True  # CPU: linear layers through oneDNN with pre-packed weights
     attention: str = "auto"  # tree verification's attention: auto (the Triton kernel on CUDA), triton, sdpa
     max_context: int = 0  # 0 = the model's max_position_embeddings
@@ -55,6 +57,23 @@ def build_flags() -> ServiceFlags:
     f.add("--device", None, str, "cpu, cuda, cuda:1 …; default: the GPU if present")
     f.add("--dtype", None, str, "float32, bfloat16, float16; default: float32 on CPU, bfloat16 on GPU")
     f.add("--threads", 0, int, "torch threads (0 = torch's default)", minimum=0)
+    f.add(
+        "--tensor-parallel-size",
+        1,
+        int,
+        "shard the target over this many ranks (processes this verifier starts, or torchrun's: RANK, "
+        "WORLD_SIZE); one device each (cuda:RANK on a GPU host, a share of the cores on a CPU); "
+        "gloo on CPUs, NCCL on GPUs",
+        minimum=1,
+    )
+    f.add(
+        "--tensor-parallel-timeout",
+        60.0,
+        float,
+        "seconds any collective may wait; a rank that dies or hangs past it fails the in-flight requests "
+        "(UNAVAILABLE) and exits the verifier non-zero for its supervisor to restart",
+        minimum=1.0,
+    )
     add_linears_flag(f)
     f.add(
         "--attention",
@@ -249,6 +268,8 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         device=a.device,
         dtype=a.dtype,
         threads=a.threads,
+        tensor_parallel_size=a.tensor_parallel_size,
+        tensor_parallel_timeout_s=a.tensor_parallel_timeout,
         packed_linears=a.linears == "packed",
         attention=a.attention,
         max_context=a.max_context,

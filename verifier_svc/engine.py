@@ -16,7 +16,9 @@ Requests join and leave the running batch between steps. One iteration of the lo
 
 A running request's gap between tokens is thus at most one decode step plus one prefill chunk.
 A step that fails fails only the requests it concerns: a prefill its joining requests; a decode
-step is retried request by request, and only those whose own step fails get the error.
+step is retried request by request, and only those whose own step fails get the error. A rank of a
+tensor-parallel target that fails (``RankFailure``) fails the engine: every request it holds or will
+be given ends UNAVAILABLE, and ``on_fatal`` is told (the server exits for its supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from specmesh_server.kv_blocks import BlockManager, namespace
 from specmesh_server.model_runner import ModelRunner
 from specmesh_server.paged_kv import PagedKVCache
+from specmesh_server.tensor_parallel import RankFailure
 from specmesh_server.torch_thread import ThreadLoop, TorchThread
 from specmesh_server.tree import TokenTree
 from verifier_svc import admission
@@ -80,6 +83,7 @@ class Engine:
         speculation: SpeculationControl | None = None,
         metrics: VerifierMetrics | None = None,
         thread: TorchThread | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         """``speculation``: the owner of every request's speculation (default: one without a router,
         so requests speculate only with the state they are submitted with, every tree verified).
@@ -110,6 +114,8 @@ class Engine:
         # The next prefill's requests already mid-prefill (keys), and the prompt tokens that joined them whole.
         self._mid_prefill: tuple[set[int], int] = (set(), 0)
         self._thread = ThreadLoop(self._loop, "specmesh-engine", thread)
+        self._on_fatal = on_fatal
+        self.failed: str | None = None  # why the engine can serve no more (a rank failed)
 
     @property
     def packed(self) -> bool:
@@ -141,6 +147,8 @@ class Engine:
                 f"budget of {budget} positions (--kv-cache-memory); send a shorter prompt or a lower max_tokens"
             )
         with self._lock:
+            if self.failed is not None:
+                raise EngineStopped(f"the verifier failed: {self.failed}")
             if not self._accepting:
                 raise EngineStopped("server is shutting down")
             limit = self.config.max_running + self.config.max_waiting
@@ -197,12 +205,34 @@ class Engine:
                 continue
             try:
                 self._step()
+            except RankFailure as exc:  # the model is gone: nothing can be served any more
+                self.fail(str(exc))
             except Exception as exc:  # a failed forward must not take the server down
                 log.exception("engine step failed; failing the running requests")
                 for seq in self._running + list(self._waiting):
                     self._finish_error(seq, f"engine step failed: {exc}")
                 self._waiting.clear()
                 self._retire()
+
+    def fail(self, reason: str) -> None:
+        """End the engine for good (engine thread, or any thread while the engine loop is idle): every
+        request it holds or will be given ends UNAVAILABLE, and ``on_fatal`` gets ``reason``."""
+        with self._lock:
+            first, self.failed = self.failed is None, self.failed or reason
+            self._accepting = False
+        if not first:
+            return
+        log.error("engine failed: %s", reason)
+        self._inbox.put(("fail", reason))
+        if self._on_fatal is not None:
+            self._on_fatal(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        message = f"the verifier failed and will restart: {reason}"
+        for seq in self._running + list(self._waiting):
+            self._finish_error(seq, message, code="UNAVAILABLE")
+        self._waiting.clear()
+        self._retire()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -214,6 +244,8 @@ class Engine:
             if kind == "submit":
                 self._waiting.append(payload)
                 self._by_key[payload.key] = payload
+            elif kind == "fail":
+                self._fail_all(payload)
             elif kind == "cancel" and (seq := self._by_key.get(payload)) is not None and not seq.done:
                 seq.done = True
                 self.stats.cancelled += 1
@@ -236,6 +268,8 @@ class Engine:
         if joining:
             try:
                 self._prefill(joining)
+            except RankFailure:
+                raise
             except Exception as exc:  # only the requests in this forward are concerned
                 log.exception("prefill failed; failing its %d request(s)", len(joining))
                 for seq in joining:
@@ -246,6 +280,8 @@ class Engine:
         if ready:
             try:
                 self._decode(ready)
+            except RankFailure:
+                raise
             except Exception:
                 log.exception("decode step over %d requests failed; retrying them one by one", len(ready))
                 for seq in ready:
@@ -253,6 +289,8 @@ class Engine:
                         continue
                     try:
                         self._decode([seq])
+                    except RankFailure:
+                        raise
                     except Exception as exc:
                         self._finish_error(seq, f"decode step failed: {exc}")
         self._retire()
@@ -428,7 +466,7 @@ class Engine:
         for seq, (path, _), tokens, lp, state in zip(seqs, step.results, emitted, step.logprobs, states, strict=True):
             base = seq.length + 1  # cache position of tree node 0
             if path != list(range(len(path))):  # keep only the accepted nodes' KV, in path order
-                self.cache.copy_positions(seq.blocks, torch.tensor(path) + base, base)
+                self.runner.copy_positions(seq.blocks, torch.tensor(path) + base, base)
             seq.length = base + len(path)
             self.blocks.shrink(seq.blocks, seq.length)  # the rejected nodes' blocks go back
             seq.steps += 1
@@ -462,9 +500,9 @@ class Engine:
         seq.done = True
         self.stats.finished += 1
 
-    def _finish_error(self, seq: Sequence, message: str) -> None:
+    def _finish_error(self, seq: Sequence, message: str, code: str = "INTERNAL") -> None:
         if not seq.done:
-            seq.sink(ErrorEvent(message))
+            seq.sink(ErrorEvent(message, code))
             seq.done = True
         if seq.slot < 0:
             self._release(seq)

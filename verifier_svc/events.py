@@ -79,6 +79,7 @@ class FinishEvent:
 @dataclass
 class ErrorEvent:
     message: str
+    code: str = "INTERNAL"  # the gRPC status the request ends with (UNAVAILABLE: retry on another verifier)
 
 
 Event = TokenEvent | FinishEvent | ErrorEvent

@@ -138,7 +138,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     finished = True
                     if self.metrics is not None:
                         self.metrics.request_finished("error")
-                    await context.abort(grpc.StatusCode.INTERNAL, ev.message)
+                    await context.abort(getattr(grpc.StatusCode, ev.code), ev.message)
                 if isinstance(ev, FinishEvent):
                     finished = True
                     yield generation_pb2.GenerateResponse(request_id=req.request_id, summary=_summary(ev))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
 import sys
 import threading
 import time
@@ -20,6 +22,7 @@ from specmesh_router.stats import StatsConfig, open_stats
 from specmesh_server.metrics import REGISTRY, RouterStatsCollector, VerifierMetrics
 from specmesh_server.model_loading import tokenizer_hash
 from specmesh_server.serving import new_server, serve
+from specmesh_server.tensor_parallel import TensorParallelConfigError
 from specmesh_server.torch_thread import TorchThread
 from verifier_svc.admin_service import ADMIN_SERVICE, AdminServicer, start_admin_server, verifier_auth
 from verifier_svc.config import VerifierConfig, parse_args
@@ -28,15 +31,17 @@ from verifier_svc.generation_service import GenerationServicer
 from verifier_svc.kernel_paths import KernelUnavailable
 from verifier_svc.learning import LearnConfig, OutputLearning
 from verifier_svc.local_proposer import inprocess_kind
+from verifier_svc.ranks import Placement, follow_main, placement, spawn
 from verifier_svc.requests import RequestLimits, max_prompt_bytes
 from verifier_svc.sessions import ProposerTiers, SessionOpener
 from verifier_svc.speculation import SpeculationControl
-from verifier_svc.target_model import eos_token_ids, load_target
+from verifier_svc.target_model import check_shardable, eos_token_ids, load_target
 
 
-async def run(config: VerifierConfig) -> None:
+async def run(config: VerifierConfig, where: Placement | None = None, spawned: list | None = None) -> str | None:
+    """Serve until stopped; returns why the verifier failed (a rank), None after a clean stop."""
     torch_thread = TorchThread("specmesh-engine")  # loads the model, then runs the engine loop
-    target = await torch_thread.run(load_target, config)
+    target = await torch_thread.run(load_target, config, where, spawned)
     lm, runner, max_context, step_cost = target.lm, target.runner, target.max_context, target.step_cost
     kv_tokens = target.kv_tokens
     names = tuple(name for name, _ in config.proposers)
@@ -96,7 +101,11 @@ async def run(config: VerifierConfig) -> None:
         speculation,
         metrics=metrics,
         thread=torch_thread,
+        # A failed rank: drain as on SIGTERM (health NOT_SERVING first), then exit non-zero (main).
+        on_fatal=lambda _reason: os.kill(os.getpid(), signal.SIGTERM),
     )
+    if target.group is not None:
+        target.group.leader.on_failure = engine.fail
     metrics.track_queue(engine.counts)
     pool = runner.cache.pool
     metrics.track_kv_cache(
@@ -144,13 +153,31 @@ async def run(config: VerifierConfig) -> None:
         if admin_server is not None:
             await admin_server.stop(1.0)
         engine.shutdown()
+        if target.group is not None:
+            target.group.close()
         stats.close()
+    return engine.failed
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
     config = parse_args(argv)
+    spawned: list = []
     try:
-        asyncio.run(run(config))
-    except KernelUnavailable as exc:  # a start-up refusal: one line, no traceback
+        where = placement(config)
+        if where.world > 1:
+            check_shardable(config, where)
+        if where.rank > 0:  # a follower rank: no port, rank 0's forwards until it stops or is gone
+            sys.exit(follow_main(config, where))
+        if where.spawned:
+            spawned = spawn(config, where, argv)
+        failed = asyncio.run(run(config, where, spawned))
+    except (KernelUnavailable, TensorParallelConfigError) as exc:  # a start-up refusal: one line, no traceback
         sys.exit(f"specmesh serve verifier: {exc}")
+    finally:
+        for proc in spawned:  # rank 0 leaves no rank behind
+            if proc.poll() is None:
+                proc.kill()
+    if failed is not None:
+        sys.exit(f"specmesh serve verifier: exiting for a restart: {failed}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,8 @@ from verifier_svc.kernel_paths import ATTENTION, check_kernel_device, check_kern
 if TYPE_CHECKING:
     from specmesh_server.model_loading import LoadedModel
     from specmesh_server.model_runner import ModelRunner
+    from specmesh_server.tensor_parallel import Leader, Ranks, Shard
+    from verifier_svc.ranks import Group, Placement
 
 
 def eos_token_ids(model: object, tokenizer: object) -> set[int]:
@@ -35,47 +38,136 @@ class LoadedTarget:
     max_context: int
     kv_tokens: int  # KV cache positions the budget holds
     step_cost: LiveStepCost | None  # None: no proposers, or --spec-gating always
+    group: Group | None = None  # the other ranks, under tensor parallelism
 
 
-def load_target(config: VerifierConfig) -> LoadedTarget:
-    """Load the model, pack its linears and measure its step cost. Runs on the thread that will
-    run the engine: a second thread opening OpenMP regions would slow every step (``TorchThread``)."""
+def check_shardable(config: VerifierConfig, where: Placement) -> None:
+    """Refuse now, before any rank starts, a degree the model cannot be sharded to (one line)."""
+    from transformers import AutoConfig
+
+    from specmesh_server.model_loading import resolve_model_path
+    from specmesh_server.tensor_parallel import plan_shard
+
+    plan_shard(AutoConfig.from_pretrained(resolve_model_path(config.model)), 0, where.world)
+
+
+def _load(config: VerifierConfig, where: Placement | None, ranks: Ranks | None) -> tuple[LoadedModel, Shard | None]:
+    """The model on this rank's device: whole, or (under tensor parallelism) this rank's shard, cut on
+    the host and then moved, so a device holds only its shard. The ranks load in turn: the host holds
+    one whole model at a time, besides the shards already cut."""
     import torch
+    import torch.distributed as dist
 
+    from specmesh_server.model_loading import load_model, pick_dtype
+    from specmesh_server.tensor_parallel import plan_shard, shard_model
+
+    if where is None or where.world == 1 or ranks is None:
+        return load_model(config.model, config.device, config.dtype), None
+    if config.threads <= 0 and where.device.type == "cpu":  # the ranks share the cores
+        import os
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // where.world))
+    dtype = str(pick_dtype(where.device, config.dtype)).removeprefix("torch.")
+    for turn in range(where.world):
+        if turn == where.rank:
+            lm = load_model(config.model, "cpu", dtype)
+            shard = plan_shard(lm.model.config, where.rank, where.world)
+            shard_model(lm.model, shard, ranks.group)
+            lm.model.to(where.device)
+            gc.collect()  # the whole model's cut-off parts
+        dist.barrier(group=ranks.control)
+    return dataclasses.replace(lm, device=where.device), shard
+
+
+def _runner(
+    config: VerifierConfig,
+    lm: LoadedModel,
+    max_context: int,
+    shard: Shard | None = None,
+    ranks: Ranks | None = None,
+    leader: Leader | None = None,
+) -> ModelRunner:
     from specmesh_server.kv_cache import default_budget_bytes
-    from specmesh_server.model_loading import load_model, pick_device
-    from specmesh_server.model_runner import ModelRunner, measure_step_cost
+    from specmesh_server.model_runner import ModelRunner
 
-    if config.threads > 0:
-        torch.set_num_threads(config.threads)
-    # A kernel the flags force must run here: refused now, before the model loads (and imports triton).
-    check_kernel_device(config.attention, config.engine.device_accept, pick_device(config.device))
-    t0 = time.perf_counter()
-    lm = load_model(config.model, config.device, config.dtype)
-    check_kernel_model(config.attention, lm.model.config)
-    model_max = int(getattr(lm.model.config, "max_position_embeddings", 0) or 4096)
-    max_context = min(config.max_context or model_max, model_max)
-    print(
-        f"verifier: model {lm.name} from {lm.path} on {lm.device} ({lm.dtype}) in {time.perf_counter() - t0:.1f} s",
-        flush=True,
-    )
-    kv_bytes = config.kv_cache_bytes or default_budget_bytes(lm.device)
-    runner = ModelRunner(
+    return ModelRunner(
         lm.model,
         lm.device,
         lm.dtype,
         max_context,
         tree_kernel=ATTENTION[config.attention],
         packed_linears=config.packed_linears,
-        kv_budget_bytes=kv_bytes,
+        kv_budget_bytes=config.kv_cache_bytes or (None if ranks is not None else default_budget_bytes(lm.device)),
         block_size=config.block_size,
         prefix_caching=config.prefix_caching,
+        shard=shard,
+        ranks=ranks,
+        leader=leader,
     )
+
+
+def _max_context(config: VerifierConfig, lm: LoadedModel) -> int:
+    model_max = int(getattr(lm.model.config, "max_position_embeddings", 0) or 4096)
+    return min(config.max_context or model_max, model_max)
+
+
+def load_shard(config: VerifierConfig, where: Placement, ranks: Ranks) -> ModelRunner:
+    """Ranks 1..N-1: this rank's shard in a runner built as rank 0 builds its own."""
+    if config.threads > 0:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    lm, shard = _load(config, where, ranks)
+    return _runner(config, lm, _max_context(config, lm), shard, ranks)
+
+
+def load_target(config: VerifierConfig, where: Placement | None = None, spawned: list | None = None) -> LoadedTarget:
+    """Load the model, pack its linears and measure its step cost. Runs on the thread that will
+    run the engine: a second thread opening OpenMP regions would slow every step (``TorchThread``).
+    ``where`` (tensor parallelism, rank 0): join the ranks (``spawned``: those this process started),
+    load this rank's shard and drive the others' forwards."""
+    import torch
+
+    from specmesh_server.metrics import ALL_REDUCES
+    from specmesh_server.model_loading import pick_device
+    from specmesh_server.model_runner import measure_step_cost
+
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    # A kernel the flags force must run here: refused now, before the model loads (and imports triton).
+    check_kernel_device(config.attention, config.engine.device_accept, pick_device(config.device))
+    t0 = time.perf_counter()
+    group = None
+    ranks = None
+    if where is not None and where.world > 1:
+        from specmesh_server.tensor_parallel import Leader
+        from verifier_svc.ranks import Group, join, watch_spawned
+
+        ranks = join(config, where)
+        procs = list(spawned or [])
+        group = Group(ranks, Leader(ranks, watch=watch_spawned(procs)), procs)
+    lm, shard = _load(config, where, ranks)
+    check_kernel_model(config.attention, lm.model.config)
+    max_context = _max_context(config, lm)
+    print(
+        f"verifier: model {lm.name} from {lm.path} on {lm.device} ({lm.dtype}) in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    if shard is not None:
+        print(
+            f"verifier: tensor parallel over {shard.world} ranks ({'nccl' if where.device.type == 'cuda' else 'gloo'}, "
+            f"timeout {config.tensor_parallel_timeout_s:g} s); {shard.describe()}; spawned ranks' pids: "
+            f"{' '.join(str(p.pid) for p in group.procs) or 'none (launcher-started)'}",
+            flush=True,
+        )
+    runner = _runner(config, lm, max_context, shard, ranks, group.leader if group is not None else None)
+    kv_bytes = runner.cache.allocated_bytes
     paths = describe(runner.tree_kernel, runner.packs, config.engine.device_accept, lm.device)
     print(f"verifier: {paths}", flush=True)
     kv_tokens = runner.cache.token_budget
     print(
-        f"verifier: KV cache budget {kv_bytes / 2**20:.0f} MiB = {kv_tokens} positions in blocks of "
+        f"verifier: KV cache budget {kv_bytes / 2**20:.0f} MiB{' per rank' if shard else ''} = {kv_tokens} "
+        f"positions in blocks of "
         f"{config.block_size} ({kv_tokens // max_context} requests of the full {max_context}-token context); "
         f"prefix caching {'on' if config.prefix_caching else 'off'}",
         flush=True,
@@ -104,4 +196,5 @@ def load_target(config: VerifierConfig) -> LoadedTarget:
             f"{table.seconds[0][0] * 1e3:.1f} ms) {widths}; {context}; measured in {time.perf_counter() - t1:.1f} s",
             flush=True,
         )
-    return LoadedTarget(lm, runner, max_context, kv_tokens, step_cost)
+    ALL_REDUCES.take()  # the start-up measurement's all-reduces are no step's
+    return LoadedTarget(lm, runner, max_context, kv_tokens, step_cost, group)

@@ -1,0 +1,359 @@
+"""Tensor parallelism for the target model: N ranks over ``torch.distributed``, each holding a shard
+of every layer, rank 0 driving them.
+
+**Sharding** follows the model's own tensor-parallel plan (transformers' ``base_model_tp_plan``:
+which linears are ``colwise`` and which ``rowwise``); the cut points are ours:
+
+- attention: rank r holds whole key/value heads ``kv_split(kv_heads, N)[r]`` and the query heads
+  that share them (GQA groups stay together), so q/k/v_proj keep those heads' output rows and
+  ``o_proj`` the same heads' input columns;
+- MLP: ``gate_proj``/``up_proj`` keep rank r's slice of the intermediate features
+  (``even_split``), ``down_proj`` the same input columns;
+- every ``rowwise`` linear (o_proj, down_proj) sums its partial products with one all-reduce
+  (:class:`RowParallelLinear`), its bias added once after it;
+- embedding, norms and LM head stay whole on every rank: hidden states are replicated after each
+  all-reduce, so rank 0 computes logits alone and no collective carries a [tokens, vocab] tensor.
+
+Why not transformers' ``tp_plan`` loading or DTensor's ``parallelize_module``: both split a
+projection's output rows evenly, so a model whose key/value heads the degree does not divide
+(the default SmolLM2-135M: 9 query / 3 key/value heads, at N = 2) would get half a head per rank;
+and their DTensor parameters cannot be packed by oneDNN (``packed_linear``). Here the shards are
+plain tensors, the packed linears and the attention kernels run on them unchanged, and a degree
+that does not divide the key/value heads splits them unevenly by whole groups (3 → 2 + 1).
+
+**Driving** (:class:`Leader`, :func:`follow`): rank 0 alone schedules; before each operation that
+touches the model or the KV cache (a forward, a cache copy) it broadcasts the operation and its
+inputs to the other ranks on a gloo group of its own (``control``), then runs it itself. The
+other ranks run the same operation on their shard; their results are dropped (the all-reduces
+made every rank's hidden states equal). While idle, rank 0 sends a heartbeat every
+``timeout / 4`` so a follower's wait, bounded by ``timeout`` like every collective, never expires
+on a healthy idle service. A collective that fails or times out raises :class:`RankFailure`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from specmesh_server.metrics import ALL_REDUCES
+
+log = logging.getLogger(__name__)
+
+
+class RankFailure(RuntimeError):
+    """A collective failed or timed out: a rank died or hangs. The service cannot go on."""
+
+
+class TensorParallelConfigError(ValueError):
+    """A tensor-parallel degree this model or machine cannot run (a one-line start-up refusal)."""
+
+
+def even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of ``parts`` contiguous slices of ``range(n)``, the first ones longer by one.
+
+    >>> even_split(1536, 2), even_split(3, 2), even_split(7, 3)
+    ([(0, 768), (768, 1536)], [(0, 2), (2, 3)], [(0, 3), (3, 5), (5, 7)])
+    """
+    size, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for r in range(parts):
+        stop = start + size + (r < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def kv_split(kv_heads: int, heads: int, world: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Per rank, its ([start, stop) of key/value heads, [start, stop) of query heads): whole KV heads,
+    each with the ``heads / kv_heads`` query heads that read it.
+
+    >>> kv_split(3, 9, 2)     # SmolLM2-135M on 2 ranks: 2 + 1 KV heads, 6 + 3 query heads
+    [((0, 2), (0, 6)), ((2, 3), (6, 9))]
+    >>> kv_split(8, 32, 4)[1]
+    ((2, 4), (8, 16))
+    """
+    if world > kv_heads:
+        raise TensorParallelConfigError(
+            f"--tensor-parallel-size {world} exceeds the model's {kv_heads} key/value heads "
+            "(a key/value head is never split across ranks)"
+        )
+    group = heads // kv_heads
+    return [((a, b), (a * group, b * group)) for a, b in even_split(kv_heads, world)]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What rank ``rank`` of ``world`` holds of the model's layers."""
+
+    rank: int
+    world: int
+    kv_heads: tuple[int, int]  # [start, stop) of the model's key/value heads
+    heads: tuple[int, int]  # [start, stop) of its query heads
+    intermediate: tuple[int, int]  # [start, stop) of the MLP's intermediate features
+    max_kv_heads: int  # the most key/value heads any rank holds: every rank's KV cache is sized by it
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world}: key/value heads {self.kv_heads[0]}–{self.kv_heads[1] - 1}, "
+            f"query heads {self.heads[0]}–{self.heads[1] - 1}, MLP features {self.intermediate[0]}–"
+            f"{self.intermediate[1] - 1}"
+        )
+
+
+class RowParallelLinear(torch.nn.Module):
+    """A row-parallel linear: this rank's input features × its columns of the weight, summed over the
+    ranks by one all-reduce, then the bias (once). ``linear`` holds the columns (no bias), so
+    ``packed_linear.pack_linears`` may swap it for a packed one."""
+
+    def __init__(self, linear: torch.nn.Module, bias: torch.Tensor | None, group: Any) -> None:
+        super().__init__()
+        self.linear = linear
+        self.bias = bias
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in / N] → [..., out]
+        y = self.linear(x)
+        t0 = time.perf_counter()
+        all_reduce(y, self.group)
+        ALL_REDUCES.seconds += time.perf_counter() - t0
+        ALL_REDUCES.calls += 1
+        return y if self.bias is None else y + self.bias
+
+
+def all_reduce(t: torch.Tensor, group: Any) -> None:
+    """Sum ``t`` over the group in place; a failure or timeout is a :class:`RankFailure`."""
+    try:
+        dist.all_reduce(t, group=group)
+    except RuntimeError as exc:  # DistBackendError and gloo's timeouts are RuntimeErrors
+        raise RankFailure(f"all-reduce failed: {exc}") from exc
+
+
+def _linear_rows(linear: torch.nn.Linear, start: int, stop: int) -> torch.nn.Linear:
+    """A linear keeping output features [start, stop) (column-parallel)."""
+    out = torch.nn.Linear(linear.in_features, stop - start, bias=linear.bias is not None)
+    out.weight = torch.nn.Parameter(linear.weight.data[start:stop].clone(), requires_grad=False)
+    if linear.bias is not None:
+        out.bias = torch.nn.Parameter(linear.bias.data[start:stop].clone(), requires_grad=False)
+    return out.to(linear.weight.device)
+
+
+def _linear_cols(linear: torch.nn.Linear, start: int, stop: int) -> torch.nn.Linear:
+    """A linear keeping input features [start, stop), without bias (row-parallel's partial product)."""
+    out = torch.nn.Linear(stop - start, linear.out_features, bias=False)
+    out.weight = torch.nn.Parameter(linear.weight.data[:, start:stop].clone(), requires_grad=False)
+    return out.to(linear.weight.device)
+
+
+def _plan(config: Any) -> dict[str, str]:
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan:
+        raise TensorParallelConfigError(f"model type {config.model_type!r} has no tensor-parallel plan in transformers")
+    return plan
+
+
+def text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def plan_shard(config: Any, rank: int, world: int) -> Shard:
+    """Rank ``rank``'s :class:`Shard` of a model with this config, or a one-line refusal."""
+    cfg = text_config(config)
+    plan = _plan(cfg)
+    styles = {name.rsplit(".", 1)[-1]: style for name, style in plan.items()}
+    want = {
+        "q_proj": "colwise",
+        "k_proj": "colwise",
+        "v_proj": "colwise",
+        "o_proj": "rowwise",
+        "gate_proj": "colwise",
+        "up_proj": "colwise",
+        "down_proj": "rowwise",
+    }
+    if any(styles.get(k) != v for k, v in want.items()):
+        raise TensorParallelConfigError(
+            f"model type {cfg.model_type!r}: its tensor-parallel plan is not the Llama-family one this verifier shards "
+            f"(q/k/v/gate/up colwise, o/down rowwise): {plan}"
+        )
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    splits = kv_split(kv, heads, world)
+    inter = even_split(cfg.intermediate_size, world)
+    return Shard(rank, world, splits[rank][0], splits[rank][1], inter[rank], max(b - a for (a, b), _ in splits))
+
+
+def shard_model(model: torch.nn.Module, shard: Shard, group: Any) -> int:
+    """Cut ``model``'s decoder layers in place down to ``shard`` (this module's docstring); returns the
+    linears cut. ``group``: the process group the row-parallel all-reduces run on."""
+    cfg = text_config(model.config)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cuts = {
+        "q_proj": ("rows", shard.heads, head_dim),
+        "k_proj": ("rows", shard.kv_heads, head_dim),
+        "v_proj": ("rows", shard.kv_heads, head_dim),
+        "o_proj": ("cols", shard.heads, head_dim),
+        "gate_proj": ("rows", shard.intermediate, 1),
+        "up_proj": ("rows", shard.intermediate, 1),
+        "down_proj": ("cols", shard.intermediate, 1),
+    }
+    patterns = [re.compile(re.escape(name).replace(r"\*", r"\d+") + "$") for name in _plan(cfg)]
+    done = 0
+    for name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if child_name not in cuts or not any(p.search(full) for p in patterns):
+                continue
+            how, (a, b), unit = cuts[child_name]
+            if how == "rows":
+                new: torch.nn.Module = _linear_rows(child, a * unit, b * unit)
+            else:
+                bias = None if child.bias is None else child.bias.data.clone()
+                new = RowParallelLinear(_linear_cols(child, a * unit, b * unit), bias, group)
+            setattr(parent, child_name, new)
+            done += 1
+    if done == 0:
+        raise TensorParallelConfigError("no linear of the model matched its tensor-parallel plan")
+    return done
+
+
+# --- driving the ranks ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the ranks, and the groups it talks on."""
+
+    rank: int
+    world: int
+    group: Any  # the model's collectives (gloo on CPUs, NCCL on GPUs)
+    control: Any  # rank 0's operations and heartbeats (always gloo: Python objects on the host)
+    timeout_s: float
+
+
+def init_ranks(rank: int, world: int, device: torch.device, timeout_s: float, init_method: str) -> Ranks:
+    """Join the process group (every rank calls this); ``init_method`` e.g. ``tcp://127.0.0.1:PORT`` or
+    ``env://`` (torchrun's variables)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.new_group(timeout=timeout)
+    return Ranks(rank, world, dist.group.WORLD, control, timeout_s)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it (tuples, lists, dicts, dataclasses) moved to ``device``.
+
+    >>> to_device({"a": (torch.ones(1), 2)}, torch.device("cpu"))["a"][1]
+    2
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple | list):
+        return type(obj)(to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **fields)
+    return obj
+
+
+class Leader:
+    """Rank 0's side: :meth:`send` an operation before running it; heartbeats while idle; ``watch``
+    (e.g. spawned ranks' liveness) polled every second. A reason ``watch`` returns, a heartbeat or a
+    send that fails goes to ``on_failure`` (once; the owner sets it, e.g. to fail its engine)."""
+
+    def __init__(
+        self,
+        ranks: Ranks,
+        on_failure: Callable[[str], None] | None = None,
+        watch: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.ranks = ranks
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._failed: str | None = None
+        self.on_failure = on_failure
+        self._watch = watch
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="specmesh-tp-heartbeat", daemon=True)
+        self._thread.start()
+
+    def send(self, op: str, *args: Any) -> None:
+        """Broadcast ``(op, args)`` to the other ranks (tensors moved to the host first)."""
+        message = [(op, to_device(args, torch.device("cpu")))]
+        with self._lock:
+            if self._failed is not None:
+                raise RankFailure(self._failed)
+            try:
+                dist.broadcast_object_list(message, src=0, group=self.ranks.control)
+            except RuntimeError as exc:
+                self._fail(f"broadcast to the ranks failed: {exc}")
+                raise RankFailure(self._failed) from exc
+            self._last = time.monotonic()
+
+    @property
+    def failed(self) -> str | None:
+        """Why the ranks failed, once they have."""
+        return self._failed
+
+    def close(self) -> None:
+        """Tell the other ranks to exit (best effort) and stop the heartbeat."""
+        self._stop.set()
+        if self._failed is None:
+            with contextlib.suppress(RankFailure):
+                self.send("stop")
+        self._thread.join(timeout=5)
+
+    def _fail(self, reason: str) -> None:
+        first = self._failed is None
+        self._failed = self._failed or reason
+        if first:
+            log.error("tensor parallelism failed: %s", reason)
+            if self.on_failure is not None:
+                self.on_failure(reason)
+
+    def _beat(self) -> None:
+        interval = max(self.ranks.timeout_s / 4, 0.5)
+        while not self._stop.wait(1.0):
+            reason = self._watch() if self._watch is not None else None
+            if reason is not None:
+                with self._lock:
+                    self._fail(reason)
+                return
+            if time.monotonic() - self._last >= interval and self._failed is None:
+                try:
+                    self.send("beat")
+                except RankFailure:
+                    return
+
+
+def follow(ranks: Ranks, device: torch.device, handlers: dict[str, Callable[..., Any]]) -> None:
+    """The other ranks' loop: receive each operation rank 0 sends and run ``handlers[op](*args)``
+    until ``stop``. Raises :class:`RankFailure` when rank 0 is gone or silent past the timeout."""
+    while True:
+        message: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(message, src=0, group=ranks.control)
+        except RuntimeError as exc:
+            raise RankFailure(f"rank 0 is gone or silent: {exc}") from exc
+        op, args = message[0]
+        if op == "stop":
+            return
+        if op == "beat":
+            continue
+        handlers[op](*to_device(args, device))
