@@ -36,6 +36,9 @@ GPU_IMAGE = (
 )  # fmt: skip
 # Always bundled: the stubs under specmesh/v1 were generated for these versions and check them at import.
 PINNED = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "redis")
+# xgrammar's (structured outputs) pydantic: this venv's transformers/hub closure holds it, the GPU image's older
+# one did not (2026-11-27: every verifier import failed on ``No module named 'pydantic'``).
+IMAGE_LACKS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
 TESTING = ("pytest", "pytest-timeout", "pygments")  # the check's gpu_tests section (with what they require)
 OPTIONAL = ("numba", "llvmlite")  # the suffix proposer; llvmlite alone is ~40 MB
 # Used on the GPU machine only where its own transformers is older than pyproject's floor (gpu_check.py):
@@ -48,9 +51,10 @@ ENTRY_MODULES = (
     "proposer_svc.oracle", "specmesh.cli", "specmesh.health", "specmesh.deploy", "specmesh_server.model_loading",
     "gpu_kit.end_to_end", "gpu_kit.numbers", "gpu_kit.engine_profile", "gpu_kit.kernel_checks", "gpu_kit.environment",
 )  # fmt: skip
-# Imported here but optional where they are absent (transformers probes for them), not used at run time, or
-# (httpx2, httpcore2, truststore) brought by FALLBACK with the huggingface-hub that needs them.
-NOT_NEEDED = {"pillow", "grpcio-tools", "truststore", "setuptools", "specmesh", "httpx2", "httpcore2"}
+# Imported here but optional where they are absent (transformers probes for them; numba imports scipy, 34 MB,
+# where it is installed), not used at run time, or (httpx2, httpcore2, truststore) brought by FALLBACK with the
+# huggingface-hub that needs them.
+NOT_NEEDED = {"pillow", "grpcio-tools", "truststore", "setuptools", "specmesh", "httpx2", "httpcore2", "scipy"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64")
 
 
@@ -132,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     gap = imported_distributions() - image - NOT_NEEDED - set(PINNED) - set(OPTIONAL)
     if gap:
         print(f"gpu-bundle: also bundling what the GPU image may lack: {', '.join(sorted(gap))}")
-    wanted = sorted(set(PINNED) | set(TESTING) | ((requirements_closure((*TESTING, *gap)) | gap) - image - NOT_NEEDED))
+    wanted = sorted(
+        set(PINNED)
+        | set(TESTING)
+        | set(IMAGE_LACKS)
+        | ((requirements_closure((*TESTING, *gap)) | gap) - image - NOT_NEEDED)
+    )
     BUNDLE.mkdir(exist_ok=True)
     for old in BUNDLE.glob("*.whl"):
         old.unlink()
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if total > CARRY_LIMIT:
         print("gpu-bundle: over the limit: the run would not carry it", file=sys.stderr)
         return 1
-    print('gpu-bundle: on the GPU machine run (device tool, carry [".whl"], timeout_s 450):')
+    print('gpu-bundle: on the GPU machine run (device tool, carry [".whl"], timeout_s 480):')
     print("    make gpu-check")
     return 0
 

@@ -44,7 +44,7 @@ SECTIONS = {  # name → (module, function, budget seconds on a GPU), in order o
     "draft": ("gpu_kit.engine_profile", "draft_section", 15),
     "cost_curves": ("gpu_kit.numbers", "cost_section", 70),
     "attention_numbers": ("gpu_kit.numbers", "attention_section", 40),
-    "gpu_tests": ("gpu_kit.suite", "suite_section", 60),
+    "gpu_tests": ("gpu_kit.suite", "suite_section", 90),
 }
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="report folder when $OUT is unset (default: docs/gpu/ on a GPU; a dry run's goes to its --work folder)",
     )
-    ap.add_argument("--budget", type=float, default=380.0, help="seconds for the whole run (default: %(default)s)")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default: %(default)s)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset (default: all)")
     ap.add_argument(
         "--tokenizer",
