@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import threading
 import time
@@ -46,13 +47,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from specmesh_server.host_all_reduce import HostAllReduce, RankFailure, supported
 from specmesh_server.metrics import ALL_REDUCES
 
+__all__ = ["RankFailure"]  # raised here, caught by the engine
+
 log = logging.getLogger(__name__)
-
-
-class RankFailure(RuntimeError):
-    """A collective failed or timed out: a rank died or hangs. The service cannot go on."""
 
 
 class TensorParallelConfigError(ValueError):
@@ -117,26 +117,28 @@ class Shard:
 
 class RowParallelLinear(torch.nn.Module):
     """A row-parallel linear: this rank's input features × its columns of the weight, summed over the
-    ranks by one all-reduce, then the bias (once). ``linear`` holds the columns (no bias), so
-    ``packed_linear.pack_linears`` may swap it for a packed one."""
+    ranks by one all-reduce (``reduce``, in place), then the bias (once). ``linear`` holds the columns
+    (no bias), so ``packed_linear.pack_linears`` may swap it for a packed one."""
 
-    def __init__(self, linear: torch.nn.Module, bias: torch.Tensor | None, group: Any) -> None:
+    def __init__(
+        self, linear: torch.nn.Module, bias: torch.Tensor | None, reduce: Callable[[torch.Tensor], None]
+    ) -> None:
         super().__init__()
         self.linear = linear
         self.bias = bias
-        self.group = group
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in / N] → [..., out]
-        y = self.linear(x)
+        y = self.linear(x).contiguous()
         t0 = time.perf_counter()
-        all_reduce(y, self.group)
+        self.reduce(y)
         ALL_REDUCES.seconds += time.perf_counter() - t0
         ALL_REDUCES.calls += 1
         return y if self.bias is None else y + self.bias
 
 
 def all_reduce(t: torch.Tensor, group: Any) -> None:
-    """Sum ``t`` over the group in place; a failure or timeout is a :class:`RankFailure`."""
+    """Sum ``t`` over ``group`` in place (gloo or NCCL); a failure or timeout is a :class:`RankFailure`."""
     try:
         dist.all_reduce(t, group=group)
     except RuntimeError as exc:  # DistBackendError and gloo's timeouts are RuntimeErrors
@@ -196,9 +198,9 @@ def plan_shard(config: Any, rank: int, world: int) -> Shard:
     return Shard(rank, world, splits[rank][0], splits[rank][1], inter[rank], max(b - a for (a, b), _ in splits))
 
 
-def shard_model(model: torch.nn.Module, shard: Shard, group: Any) -> int:
+def shard_model(model: torch.nn.Module, shard: Shard, reduce: Callable[[torch.Tensor], None]) -> int:
     """Cut ``model``'s decoder layers in place down to ``shard`` (this module's docstring); returns the
-    linears cut. ``group``: the process group the row-parallel all-reduces run on."""
+    linears cut. ``reduce``: the row-parallel layers' all-reduce (``Ranks.all_reduce``)."""
     cfg = text_config(model.config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cuts = {
@@ -222,7 +224,7 @@ def shard_model(model: torch.nn.Module, shard: Shard, group: Any) -> int:
                 new: torch.nn.Module = _linear_rows(child, a * unit, b * unit)
             else:
                 bias = None if child.bias is None else child.bias.data.clone()
-                new = RowParallelLinear(_linear_cols(child, a * unit, b * unit), bias, group)
+                new = RowParallelLinear(_linear_cols(child, a * unit, b * unit), bias, reduce)
             setattr(parent, child_name, new)
             done += 1
     if done == 0:
@@ -242,16 +244,51 @@ class Ranks:
     group: Any  # the model's collectives (gloo on CPUs, NCCL on GPUs)
     control: Any  # rank 0's operations and heartbeats (always gloo: Python objects on the host)
     timeout_s: float
+    host: HostAllReduce | None = None  # one host's CPU ranks: all-reduces through shared memory
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum ``t`` over the ranks in place: through shared memory where it fits, else the group."""
+        if self.host is not None and self.host.fits(t):
+            self.host(t)
+        else:
+            all_reduce(t, self.group)
+
+    def abort(self) -> None:
+        """Make a pending shared-memory wait give up (rank 0's watch saw a rank fail)."""
+        if self.host is not None:
+            self.host.abort.set()
 
 
-def init_ranks(rank: int, world: int, device: torch.device, timeout_s: float, init_method: str) -> Ranks:
+# A shared-memory operand's room: a [tokens, hidden] float32 activation of 4 MiB (SmolLM2-135M: 1,820
+# tokens); larger ones (long prefill chunks of wide models) take gloo.
+HOST_CAPACITY = 4 * 2**20
+
+
+def init_ranks(
+    rank: int, world: int, device: torch.device, timeout_s: float, init_method: str, one_host: bool = False
+) -> Ranks:
     """Join the process group (every rank calls this); ``init_method`` e.g. ``tcp://127.0.0.1:PORT`` or
-    ``env://`` (torchrun's variables)."""
+    ``env://`` (torchrun's variables). ``one_host``: every rank runs on this host, so CPU ranks
+    all-reduce through shared memory (``host_all_reduce``) where the platform allows."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.new_group(timeout=timeout)
-    return Ranks(rank, world, dist.group.WORLD, control, timeout_s)
+    host = None
+    if one_host and device.type == "cpu" and supported():
+        # One name per group: rank 0 draws it and tells the others.
+        name = [f"/dev/shm/specmesh-tp-{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
+        dist.broadcast_object_list(name, src=0, group=control)
+        host = HostAllReduce(name[0], rank, world, HOST_CAPACITY, timeout_s)
+        if rank == 0:
+            host.create()
+        dist.barrier(group=control)
+        if rank != 0:
+            host.attach()
+        dist.barrier(group=control)
+        if rank == 0:
+            host.unlink()  # mapped by every rank now; nothing is left behind in /dev/shm
+    return Ranks(rank, world, dist.group.WORLD, control, timeout_s, host)
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -291,6 +328,10 @@ class Leader:
         self._watch = watch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="specmesh-tp-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Start the heartbeat and the watch: once start-up's own collectives on the control group
+        (the load's turns, the KV budget's agreement) are over, every later one goes through :meth:`send`."""
         self._thread.start()
 
     def send(self, op: str, *args: Any) -> None:
@@ -317,13 +358,15 @@ class Leader:
         if self._failed is None:
             with contextlib.suppress(RankFailure):
                 self.send("stop")
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def _fail(self, reason: str) -> None:
         first = self._failed is None
         self._failed = self._failed or reason
         if first:
             log.error("tensor parallelism failed: %s", reason)
+            self.ranks.abort()
             if self.on_failure is not None:
                 self.on_failure(reason)
 

@@ -101,7 +101,12 @@ def spawn(config: VerifierConfig, where: Placement, argv: list[str]) -> list[sub
     """Start ranks 1..world-1 (same flags, torchrun's variables); set rank 0's own variables."""
     from specmesh.deploy import free_port
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(where.world)}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(where.world),
+        "LOCAL_WORLD_SIZE": str(where.world),
+    }
     os.environ.update(env, RANK="0", LOCAL_RANK="0")
     procs = []
     for r in range(1, where.world):
@@ -119,7 +124,9 @@ def _die_with_parent() -> None:
 
 def join(config: VerifierConfig, where: Placement) -> Ranks:
     """Join the process group (every rank, once the others are started)."""
-    return init_ranks(where.rank, where.world, where.device, config.tensor_parallel_timeout_s, "env://")
+    # Every rank decides alike: all on this host (spawned here, or torchrun's LOCAL_WORLD_SIZE says so).
+    one_host = os.environ.get("LOCAL_WORLD_SIZE") == str(where.world)
+    return init_ranks(where.rank, where.world, where.device, config.tensor_parallel_timeout_s, "env://", one_host)
 
 
 def watch_spawned(procs: list[subprocess.Popen]) -> Any:

@@ -72,7 +72,7 @@ def _load(config: VerifierConfig, where: Placement | None, ranks: Ranks | None) 
         if turn == where.rank:
             lm = load_model(config.model, "cpu", dtype)
             shard = plan_shard(lm.model.config, where.rank, where.world)
-            shard_model(lm.model, shard, ranks.group)
+            shard_model(lm.model, shard, ranks.all_reduce)
             lm.model.to(where.device)
             gc.collect()  # the whole model's cut-off parts
         dist.barrier(group=ranks.control)
@@ -197,4 +197,6 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
             flush=True,
         )
     ALL_REDUCES.take()  # the start-up measurement's all-reduces are no step's
+    if group is not None:
+        group.leader.start()
     return LoadedTarget(lm, runner, max_context, kv_tokens, step_cost, group)

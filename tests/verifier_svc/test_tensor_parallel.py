@@ -229,13 +229,15 @@ def test_a_degree_over_the_key_value_heads_is_refused_in_one_line(tmp_path):
     ], run.stderr
 
 
-def test_sharded_linears_sum_to_the_whole_model_on_one_host(tmp_path):
-    """Both ranks' shards of a tiny model, run in two processes over gloo, give the unsharded
-    model's logits (the all-reduce order may differ in the last bits)."""
+@pytest.mark.parametrize("one_host", ["shared memory", "gloo"])
+def test_sharded_linears_sum_to_the_whole_model(tmp_path, one_host):
+    """Both ranks' shards of a tiny model, run in two processes, all-reducing through shared memory
+    or gloo, give the unsharded model's logits (the all-reduce order may differ in the last bits)."""
     script = tmp_path / "ranks.py"
     script.write_text(_RANKS_SCRIPT)
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    env["ONE_HOST"] = "1" if one_host == "shared memory" else ""
     procs = [
         subprocess.Popen([sys.executable, str(script), str(tmp_path)], env={**env, "RANK": str(r)}) for r in range(2)
     ]
@@ -251,12 +253,13 @@ from support import tiny_llama
 from specmesh_server.tensor_parallel import init_ranks, plan_shard, shard_model
 import os
 rank = int(os.environ["RANK"])
-ranks = init_ranks(rank, 2, torch.device("cpu"), 30.0, "env://")
+ranks = init_ranks(rank, 2, torch.device("cpu"), 30.0, "env://", one_host=bool(os.environ["ONE_HOST"]))
+assert (ranks.host is not None) == bool(os.environ["ONE_HOST"])
 model = tiny_llama(num_attention_heads=6, num_key_value_heads=3)  # 3 key/value heads: split 2 + 1
 ids = torch.arange(1, 11)[None]
 with torch.inference_mode():
     whole = model(ids).logits
-    shard_model(model, plan_shard(model.config, rank, 2), ranks.group)
+    shard_model(model, plan_shard(model.config, rank, 2), ranks.all_reduce)
     got = model(ids).logits
 if rank == 0:
     torch.save(whole, sys.argv[1] + "/whole.pt")
