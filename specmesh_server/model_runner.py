@@ -19,7 +19,7 @@ from specmesh_server import attention, packed_linear
 from specmesh_server.kv_blocks import BlockTable
 from specmesh_server.kv_cache import SlotKVCache, bytes_per_position, default_budget_bytes
 from specmesh_server.paged_kv import PagedKVCache
-from specmesh_server.tensor_parallel import Leader, Ranks, Shard
+from specmesh_server.tensor_parallel import Leader, RankFailure, Ranks, Shard
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -138,8 +138,28 @@ class ModelRunner:
         ``tree_meta`` (where ``tree_kernel``): the kernel's form of ``mask``, built by the caller from its
         trees (``tree_meta_from_trees``); otherwise derived from ``mask``, which costs a device read.
         """
-        if self.leader is not None:  # the other ranks run the same forward on their shards
-            self.leader.send("forward", rows, input_ids, positions, mask, write_pos, packing, tree_meta)
+        if self.leader is None:
+            return self._forward(rows, input_ids, positions, mask, write_pos, packing, tree_meta)
+        # The other ranks run the same forward on their shards. Once they have started it, a failure
+        # here may leave the ranks' all-reduces out of step: nothing they computed after could be trusted.
+        self.leader.send("forward", rows, input_ids, positions, mask, write_pos, packing, tree_meta)
+        try:
+            return self._forward(rows, input_ids, positions, mask, write_pos, packing, tree_meta)
+        except RankFailure:
+            raise
+        except Exception as exc:
+            raise RankFailure(f"a forward failed on rank 0 after the other ranks began it: {exc!r}") from exc
+
+    def _forward(
+        self,
+        rows: Any,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        write_pos: torch.Tensor | None,
+        packing: attention.Packing | None,
+        tree_meta: Any | None,
+    ) -> torch.Tensor:
         kv_len = mask.shape[-1]
         write_pos = positions if write_pos is None else write_pos
         tree: dict[str, Any] = {}

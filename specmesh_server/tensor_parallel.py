@@ -280,14 +280,16 @@ def init_ranks(
         name = [f"/dev/shm/specmesh-tp-{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
         dist.broadcast_object_list(name, src=0, group=control)
         host = HostAllReduce(name[0], rank, world, HOST_CAPACITY, timeout_s)
-        if rank == 0:
-            host.create()
-        dist.barrier(group=control)
-        if rank != 0:
-            host.attach()
-        dist.barrier(group=control)
-        if rank == 0:
-            host.unlink()  # mapped by every rank now; nothing is left behind in /dev/shm
+        try:
+            if rank == 0:
+                host.create()
+            dist.barrier(group=control)
+            if rank != 0:
+                host.attach()
+            dist.barrier(group=control)
+        finally:
+            if rank == 0:
+                host.unlink()  # mapped by every rank now (or start-up failed): nothing stays in /dev/shm
     return Ranks(rank, world, dist.group.WORLD, control, timeout_s, host)
 
 
@@ -311,8 +313,9 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 class Leader:
     """Rank 0's side: :meth:`send` an operation before running it; heartbeats while idle; ``watch``
-    (e.g. spawned ranks' liveness) polled every second. A reason ``watch`` returns, a heartbeat or a
-    send that fails goes to ``on_failure`` (once; the owner sets it, e.g. to fail its engine)."""
+    (e.g. spawned ranks' liveness) polled four times a second. A reason ``watch`` returns, a heartbeat or a
+    send that fails, or :meth:`fail` called by the owner, records the failure once: a pending
+    shared-memory wait gives up and ``on_failure`` is told (at once if it is set after the failure)."""
 
     def __init__(
         self,
@@ -321,13 +324,31 @@ class Leader:
         watch: Callable[[], str | None] | None = None,
     ) -> None:
         self.ranks = ranks
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the control group: one broadcast at a time, in one order
+        self._state = threading.Lock()  # _failed, _on_failure (never held while broadcasting)
         self._last = time.monotonic()
         self._failed: str | None = None
-        self.on_failure = on_failure
+        self._closed = False
+        self._on_failure = on_failure
         self._watch = watch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="specmesh-tp-heartbeat", daemon=True)
+
+    @property
+    def on_failure(self) -> Callable[[str], None] | None:
+        return self._on_failure
+
+    @on_failure.setter
+    def on_failure(self, callback: Callable[[str], None] | None) -> None:
+        with self._state:
+            self._on_failure, failed = callback, self._failed
+        if failed is not None and callback is not None:  # the failure came first: tell its owner now
+            callback(failed)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the ranks failed, once they have."""
+        return self._failed
 
     def start(self) -> None:
         """Start the heartbeat and the watch: once start-up's own collectives on the control group
@@ -338,45 +359,49 @@ class Leader:
         """Broadcast ``(op, args)`` to the other ranks (tensors moved to the host first)."""
         message = [(op, to_device(args, torch.device("cpu")))]
         with self._lock:
-            if self._failed is not None:
-                raise RankFailure(self._failed)
+            if self._closed and op == "beat":
+                return
+            if self._failed is not None or self._closed:
+                raise RankFailure(self._failed or "the ranks were stopped")
             try:
                 dist.broadcast_object_list(message, src=0, group=self.ranks.control)
             except RuntimeError as exc:
-                self._fail(f"broadcast to the ranks failed: {exc}")
-                raise RankFailure(self._failed) from exc
+                reason = f"broadcast to the ranks failed: {exc}"
+                self.fail(reason)
+                raise RankFailure(reason) from exc
             self._last = time.monotonic()
 
-    @property
-    def failed(self) -> str | None:
-        """Why the ranks failed, once they have."""
-        return self._failed
+    def fail(self, reason: str) -> None:
+        """Record that the ranks failed (any thread; the first reason counts)."""
+        with self._state:
+            first = self._failed is None
+            if first:
+                self._failed = reason
+            callback = self._on_failure
+        if not first:
+            return
+        log.error("tensor parallelism failed: %s", reason)
+        self.ranks.abort()
+        if callback is not None:
+            callback(reason)
 
     def close(self) -> None:
-        """Tell the other ranks to exit (best effort) and stop the heartbeat."""
+        """Tell the other ranks to exit (unless they failed) and stop the heartbeat; no send after it."""
         self._stop.set()
-        if self._failed is None:
-            with contextlib.suppress(RankFailure):
-                self.send("stop")
+        with self._lock:
+            if self._failed is None and not self._closed:
+                with contextlib.suppress(RuntimeError):
+                    dist.broadcast_object_list([("stop", ())], src=0, group=self.ranks.control)
+            self._closed = True
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def _fail(self, reason: str) -> None:
-        first = self._failed is None
-        self._failed = self._failed or reason
-        if first:
-            log.error("tensor parallelism failed: %s", reason)
-            self.ranks.abort()
-            if self.on_failure is not None:
-                self.on_failure(reason)
-
     def _beat(self) -> None:
         interval = max(self.ranks.timeout_s / 4, 0.5)
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(0.25):
             reason = self._watch() if self._watch is not None else None
             if reason is not None:
-                with self._lock:
-                    self._fail(reason)
+                self.fail(reason)
                 return
             if time.monotonic() - self._last >= interval and self._failed is None:
                 try:

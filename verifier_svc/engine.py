@@ -201,6 +201,8 @@ class Engine:
     def _serve_forever(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox(block=not (self._running or self._waiting))
+            if self.failed is not None:  # a request that slipped in as the engine failed ends like the rest
+                self._fail_all(self.failed)
             if not (self._running or self._waiting):
                 continue
             try:

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from specmesh_server.tensor_parallel import Leader, RankFailure, Ranks, TensorParallelConfigError, init_ranks
+from specmesh_server.tensor_parallel import Leader, Ranks, TensorParallelConfigError, init_ranks
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +93,7 @@ class Group:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        if dist.is_initialized():
+        if dist.is_initialized() and self.leader.failed is None:  # a failed group may hang its teardown
             dist.destroy_process_group()
 
 
@@ -124,6 +124,10 @@ def _die_with_parent() -> None:
 
 def join(config: VerifierConfig, where: Placement) -> Ranks:
     """Join the process group (every rank, once the others are started)."""
+    if where.device.type == "cuda":  # kernels launch on the current device: this rank's own
+        import torch
+
+        torch.cuda.set_device(where.device)
     # Every rank decides alike: all on this host (spawned here, or torchrun's LOCAL_WORLD_SIZE says so).
     one_host = os.environ.get("LOCAL_WORLD_SIZE") == str(where.world)
     return init_ranks(where.rank, where.world, where.device, config.tensor_parallel_timeout_s, "env://", one_host)
@@ -155,19 +159,11 @@ def follow_main(config: VerifierConfig, where: Placement) -> int:
     def copy(blocks: list[int], src: torch.Tensor, dst_start: int) -> None:
         runner.cache.copy_positions(BlockTable(b"", blocks=blocks), src, dst_start)
 
-    def forward(*args: Any) -> None:
-        try:
-            runner.forward(*args)
-        except RankFailure:
-            raise
-        except Exception as exc:  # rank 0's forward fails the same way; its collectives decide what follows
-            print(f"verifier rank {where.rank}: forward failed: {exc}", file=sys.stderr, flush=True)
-
     try:
         with torch.inference_mode():
-            follow(ranks, where.device, {"forward": forward, "copy": copy})
-    except RankFailure as exc:
-        print(f"verifier rank {where.rank}: {exc}", file=sys.stderr, flush=True)
+            follow(ranks, where.device, {"forward": runner.forward, "copy": copy})
+    except Exception as exc:  # rank 0 gone, or this rank's own forward failed: exit, rank 0's watch sees it
+        print(f"verifier rank {where.rank}: {exc!r}", file=sys.stderr, flush=True)
         return 1
     return 0
 

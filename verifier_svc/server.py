@@ -101,11 +101,17 @@ async def run(config: VerifierConfig, where: Placement | None = None, spawned: l
         speculation,
         metrics=metrics,
         thread=torch_thread,
-        # A failed rank: drain as on SIGTERM (health NOT_SERVING first), then exit non-zero (main).
-        on_fatal=lambda _reason: os.kill(os.getpid(), signal.SIGTERM),
+        on_fatal=lambda reason: fatal(reason),
     )
+
+    def fatal(reason: str) -> None:
+        """A failed rank: drain as on SIGTERM (health NOT_SERVING first), then exit non-zero (main)."""
+        if target.group is not None:
+            target.group.leader.fail(reason)  # however the engine learnt it: no more sends, no pending wait
+        os.kill(os.getpid(), signal.SIGTERM)
+
     if target.group is not None:
-        target.group.leader.on_failure = engine.fail
+        target.group.leader.on_failure = engine.fail  # at once, if a rank already failed
     metrics.track_queue(engine.counts)
     pool = runner.cache.pool
     metrics.track_kv_cache(
@@ -179,5 +185,6 @@ def main(argv: list[str] | None = None) -> None:
         for proc in spawned:  # rank 0 leaves no rank behind
             if proc.poll() is None:
                 proc.kill()
-    if failed is not None:
-        sys.exit(f"specmesh serve verifier: exiting for a restart: {failed}")
+    if failed is not None:  # no interpreter teardown: a failed process group's may hang (NCCL)
+        print(f"specmesh serve verifier: exiting for a restart: {failed}", file=sys.stderr, flush=True)
+        os._exit(1)
