@@ -8,6 +8,7 @@ at start in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -201,6 +202,52 @@ def test_a_rank_killed_mid_stream_ends_every_stream_unavailable_and_a_restart_se
         assert len(out.token_ids) == 8
     finally:
         stop_verifier(again)
+
+
+def test_a_hung_rank_ends_every_stream_unavailable_at_the_timeout(tmp_path, chat_ids):
+    """A follower stopped (SIGSTOP) mid-stream never answers: rank 0's next collective gives up at
+    --tensor-parallel-timeout and the verifier fails its streams and exits, as for a dead rank."""
+    v = start_verifier(tmp_path, *TP2, "--tensor-parallel-timeout", "4")
+    follower = int(re.search(r"spawned ranks' pids: (\d+)", v.log()).group(1))
+    results: list = []
+    started = threading.Event()
+    ids = chat_ids("Tell me a long story about a lighthouse keeper.")
+    t = threading.Thread(target=_stream_until_error, args=(v.address, ids, started, results), daemon=True)
+    try:
+        t.start()
+        assert started.wait(120), v.log()[-2000:]
+        stopped = time.monotonic()
+        os.kill(follower, signal.SIGSTOP)
+        t.join(30)
+        assert results and results[0][0] == grpc.StatusCode.UNAVAILABLE, (results, v.log()[-3000:])
+        assert 3 < results[0][1] - stopped < 12, f"ended {results[0][1] - stopped:.1f} s after the stop"
+        assert v.proc.wait(60) != 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(follower, signal.SIGKILL)
+        stop_verifier(v)
+
+
+def test_ranks_started_by_torchrun_serve_like_spawned_ones(tmp_path, chat_ids, hf_greedy):
+    """torchrun starts both ranks (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE): the verifier spawns none, rank
+    0 serves, and greedy output equals generate()'s."""
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "specmesh", "serve", "verifier", *TP2, "--device", "cpu", "--address", address,
+    ]  # fmt: skip
+    log_path = tmp_path / "torchrun.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_healthy(address, 180, proc)
+        assert "spawned ranks' pids: none (launcher-started)" in log_path.read_text()
+        ids = chat_ids("Write a haiku about the sea.")
+        with Client(address) as c:
+            out = c.complete(ids, SamplingParams(temperature=0.0, max_tokens=12))
+        assert out.token_ids == hf_greedy(ids, 12)
+    finally:
+        stop_process(proc)  # torchrun itself exits 1 when sent SIGTERM
 
 
 def _refusal(*args: str) -> subprocess.CompletedProcess:
