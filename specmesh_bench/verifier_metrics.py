@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 STEP = "specmesh_step_seconds"
 ALL_REDUCE = "specmesh_tensor_parallel_all_reduce_seconds"
@@ -31,20 +31,10 @@ class DecodeTotals:
     all_reduce_steps: float = 0.0  # decode forwards that did any all-reduce
 
     def __sub__(self, other: DecodeTotals) -> DecodeTotals:
-        return DecodeTotals(
-            self.steps - other.steps,
-            self.step_seconds - other.step_seconds,
-            self.all_reduce_seconds - other.all_reduce_seconds,
-            self.all_reduce_steps - other.all_reduce_steps,
-        )
+        return self + DecodeTotals(*(-x for x in astuple(other)))
 
     def __add__(self, other: DecodeTotals) -> DecodeTotals:
-        return DecodeTotals(
-            self.steps + other.steps,
-            self.step_seconds + other.step_seconds,
-            self.all_reduce_seconds + other.all_reduce_seconds,
-            self.all_reduce_steps + other.all_reduce_steps,
-        )
+        return DecodeTotals(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 def decode_totals(text: str) -> DecodeTotals:

@@ -236,7 +236,9 @@ def _tree_kernel(query: torch.Tensor, key: Any, value: Any, meta: Any, scaling: 
 def supports(config: object) -> bool:
     """Plain causal attention only: no sliding window, logit soft-capping or attention sinks, which
     this function does not apply (such models keep transformers' own attention)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    from specmesh_server.model_loading import text_config
+
+    text = text_config(config)
     return not any(
         getattr(text, name, None) for name in ("sliding_window", "attn_logit_softcapping", "use_sliding_window")
     ) and getattr(text, "model_type", "") not in ("gpt_oss",)

@@ -39,6 +39,10 @@ class AllReduceClock:
         self.seconds = 0.0
         self.calls = 0
 
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.calls += 1
+
     def take(self) -> tuple[float, int]:
         out = (self.seconds, self.calls)
         self.seconds, self.calls = 0.0, 0

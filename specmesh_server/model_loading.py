@@ -141,6 +141,16 @@ def load_model(spec: str | None = None, device: str | None = None, dtype: str | 
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name, device=dev, dtype=dt)
 
 
+def text_config(config: Any) -> Any:
+    """The text model's config of a (possibly multimodal) model's config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def head_dim(config: Any) -> int:
+    """Attention head width of a text config (its ``head_dim``, else hidden size / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def tokenizer_hash(tokenizer: Any) -> str:
     """Stable identity of a tokenizer's vocabulary (token → id map), for draft/target checks."""
     vocab = tokenizer.get_vocab()

@@ -18,6 +18,8 @@ from specmesh_router.cost_model import ContextCost, StepCost
 from specmesh_server import attention, packed_linear
 from specmesh_server.kv_blocks import BlockTable
 from specmesh_server.kv_cache import SlotKVCache, bytes_per_position, default_budget_bytes
+from specmesh_server.model_loading import head_dim as model_head_dim
+from specmesh_server.model_loading import text_config
 from specmesh_server.paged_kv import PagedKVCache
 from specmesh_server.tensor_parallel import Leader, RankFailure, Ranks, Shard
 
@@ -73,8 +75,8 @@ class ModelRunner:
         self.lm_head = model.get_output_embeddings()
         self.device, self.dtype = device, dtype
         cfg = model.config
-        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        text_cfg = text_config(cfg)
+        head_dim = model_head_dim(text_cfg)
         kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
         self.vocab_size = int(text_cfg.vocab_size)
         layers, heads = text_cfg.num_hidden_layers, text_cfg.num_attention_heads
@@ -82,7 +84,7 @@ class ModelRunner:
         budget_heads = kv_heads
         if shard is not None:  # this rank's heads; the budget in blocks of the rank holding the most
             kv_heads, budget_heads = shard.local_kv_heads, shard.max_kv_heads
-            heads = (shard.heads[1] - shard.heads[0]) or heads
+            heads = shard.heads[1] - shard.heads[0]
         bytes_per_token = bytes_per_position(layers, budget_heads, head_dim, dtype)
         # A new token's linear layers (2 flops per weight) cost as much as attending this many cached
         # keys (4 flops per key, head dimension, head and layer): how prefill work grows with position.

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from specmesh_server.host_all_reduce import HostAllReduce, RankFailure, supported
 from specmesh_server.metrics import ALL_REDUCES
+from specmesh_server.model_loading import head_dim, text_config
 
 __all__ = ["RankFailure"]  # raised here, caught by the engine
 
@@ -132,8 +133,7 @@ class RowParallelLinear(torch.nn.Module):
         y = self.linear(x).contiguous()
         t0 = time.perf_counter()
         self.reduce(y)
-        ALL_REDUCES.seconds += time.perf_counter() - t0
-        ALL_REDUCES.calls += 1
+        ALL_REDUCES.add(time.perf_counter() - t0)
         return y if self.bias is None else y + self.bias
 
 
@@ -168,8 +168,17 @@ def _plan(config: Any) -> dict[str, str]:
     return plan
 
 
-def text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+# The Llama family's linears: transformers' style for each, and the part of the Shard it keeps (the
+# heads' head_dim-wide rows or columns, or MLP features). colwise keeps output rows, rowwise input columns.
+LAYOUT = {
+    "q_proj": ("colwise", "heads"),
+    "k_proj": ("colwise", "kv_heads"),
+    "v_proj": ("colwise", "kv_heads"),
+    "o_proj": ("rowwise", "heads"),
+    "gate_proj": ("colwise", "intermediate"),
+    "up_proj": ("colwise", "intermediate"),
+    "down_proj": ("rowwise", "intermediate"),
+}
 
 
 def plan_shard(config: Any, rank: int, world: int) -> Shard:
@@ -177,16 +186,7 @@ def plan_shard(config: Any, rank: int, world: int) -> Shard:
     cfg = text_config(config)
     plan = _plan(cfg)
     styles = {name.rsplit(".", 1)[-1]: style for name, style in plan.items()}
-    want = {
-        "q_proj": "colwise",
-        "k_proj": "colwise",
-        "v_proj": "colwise",
-        "o_proj": "rowwise",
-        "gate_proj": "colwise",
-        "up_proj": "colwise",
-        "down_proj": "rowwise",
-    }
-    if any(styles.get(k) != v for k, v in want.items()):
+    if any(styles.get(name) != style for name, (style, _) in LAYOUT.items()):
         raise TensorParallelConfigError(
             f"model type {cfg.model_type!r}: its tensor-parallel plan is not the Llama-family one this verifier shards "
             f"(q/k/v/gate/up colwise, o/down rowwise): {plan}"
@@ -202,29 +202,21 @@ def shard_model(model: torch.nn.Module, shard: Shard, reduce: Callable[[torch.Te
     """Cut ``model``'s decoder layers in place down to ``shard`` (this module's docstring); returns the
     linears cut. ``reduce``: the row-parallel layers' all-reduce (``Ranks.all_reduce``)."""
     cfg = text_config(model.config)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    cuts = {
-        "q_proj": ("rows", shard.heads, head_dim),
-        "k_proj": ("rows", shard.kv_heads, head_dim),
-        "v_proj": ("rows", shard.kv_heads, head_dim),
-        "o_proj": ("cols", shard.heads, head_dim),
-        "gate_proj": ("rows", shard.intermediate, 1),
-        "up_proj": ("rows", shard.intermediate, 1),
-        "down_proj": ("cols", shard.intermediate, 1),
-    }
     patterns = [re.compile(re.escape(name).replace(r"\*", r"\d+") + "$") for name in _plan(cfg)]
     done = 0
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if child_name not in cuts or not any(p.search(full) for p in patterns):
+            if child_name not in LAYOUT or not any(p.search(full) for p in patterns):
                 continue
-            how, (a, b), unit = cuts[child_name]
-            if how == "rows":
-                new: torch.nn.Module = _linear_rows(child, a * unit, b * unit)
+            style, part = LAYOUT[child_name]
+            unit = 1 if part == "intermediate" else head_dim(cfg)
+            a, b = (x * unit for x in getattr(shard, part))
+            if style == "colwise":
+                new: torch.nn.Module = _linear_rows(child, a, b)
             else:
                 bias = None if child.bias is None else child.bias.data.clone()
-                new = RowParallelLinear(_linear_cols(child, a * unit, b * unit), bias, reduce)
+                new = RowParallelLinear(_linear_cols(child, a, b), bias, reduce)
             setattr(parent, child_name, new)
             done += 1
     if done == 0:
@@ -273,7 +265,7 @@ def init_ranks(
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.new_group(timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
     host = None
     if one_host and device.type == "cpu" and supported():
         # One name per group: rank 0 draws it and tells the others.

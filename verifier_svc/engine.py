@@ -201,7 +201,7 @@ class Engine:
     def _serve_forever(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox(block=not (self._running or self._waiting))
-            if self.failed is not None:  # a request that slipped in as the engine failed ends like the rest
+            if self.failed is not None:  # every request held, even one that slipped in as it failed
                 self._fail_all(self.failed)
             if not (self._running or self._waiting):
                 continue
@@ -225,7 +225,7 @@ class Engine:
         if not first:
             return
         log.error("engine failed: %s", reason)
-        self._inbox.put(("fail", reason))
+        self._inbox.put(("wake", None))  # the loop fails what it holds (``_serve_forever``)
         if self._on_fatal is not None:
             self._on_fatal(reason)
 
@@ -246,8 +246,6 @@ class Engine:
             if kind == "submit":
                 self._waiting.append(payload)
                 self._by_key[payload.key] = payload
-            elif kind == "fail":
-                self._fail_all(payload)
             elif kind == "cancel" and (seq := self._by_key.get(payload)) is not None and not seq.done:
                 seq.done = True
                 self.stats.cancelled += 1

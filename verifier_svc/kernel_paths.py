@@ -64,8 +64,9 @@ def check_kernel_model(attention: str, model_config: object) -> None:
     from specmesh_server import attention as attention_fn
 
     if attention == "triton" and not attention_fn.supports(model_config):
-        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-        kind = getattr(text, "model_type", "") or "this model"
+        from specmesh_server.model_loading import text_config
+
+        kind = getattr(text_config(model_config), "model_type", "") or "this model"
         raise KernelUnavailable(
             f"--attention triton: the tree-attention kernel does not serve {kind} (sliding-window, soft-capped "
             "or sink attention); choose --attention auto or sdpa"

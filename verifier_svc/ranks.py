@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import os
 import signal
 import subprocess
@@ -34,8 +33,7 @@ class Placement:
 
     rank: int
     world: int
-    local_rank: int
-    device: torch.device
+    device: torch.device  # cuda:LOCAL_RANK on a GPU host
     spawned: bool  # rank 0 starts the others itself (no launcher's variables)
 
 
@@ -70,14 +68,13 @@ def placement(config: VerifierConfig) -> Placement:
                 f"--tensor-parallel-size {world} exceeds the {cores} CPU core(s) this process may use "
                 "(one at least per rank)"
             )
-    return Placement(rank, world, local_rank, device, spawned=env_world is None and world > 1)
+    return Placement(rank, world, device, spawned=env_world is None and world > 1)
 
 
 @dataclass
 class Group:
-    """Rank 0's handle on the ranks: the process group, the leader channel, the ranks it spawned."""
+    """Rank 0's handle on the ranks: the leader channel (and through it the groups), the ranks it spawned."""
 
-    ranks: Ranks
     leader: Leader
     procs: list[subprocess.Popen]
 
@@ -166,8 +163,3 @@ def follow_main(config: VerifierConfig, where: Placement) -> int:
         print(f"verifier rank {where.rank}: {exc!r}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-def replace_device(config: VerifierConfig, where: Placement) -> VerifierConfig:
-    """``config`` with this rank's device named (cuda:LOCAL_RANK on a GPU host)."""
-    return dataclasses.replace(config, device=str(where.device))

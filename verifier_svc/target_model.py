@@ -52,21 +52,24 @@ def check_shardable(config: VerifierConfig, where: Placement) -> None:
 
 
 def _load(config: VerifierConfig, where: Placement | None, ranks: Ranks | None) -> tuple[LoadedModel, Shard | None]:
-    """The model on this rank's device: whole, or (under tensor parallelism) this rank's shard, cut on
-    the host and then moved, so a device holds only its shard. The ranks load in turn: the host holds
-    one whole model at a time, besides the shards already cut."""
+    """The model on this rank's device: whole, or (under tensor parallelism: ``ranks``) this rank's
+    shard, cut on the host and then moved, so a device holds only its shard. The ranks load in turn:
+    the host holds one whole model at a time, besides the shards already cut. Sets the process's torch
+    threads first: ``--threads``, else (ranks on a CPU) the cores shared among the ranks."""
+    import os
+
     import torch
     import torch.distributed as dist
 
     from specmesh_server.model_loading import load_model, pick_dtype
     from specmesh_server.tensor_parallel import plan_shard, shard_model
 
-    if where is None or where.world == 1 or ranks is None:
-        return load_model(config.model, config.device, config.dtype), None
-    if config.threads <= 0 and where.device.type == "cpu":  # the ranks share the cores
-        import os
-
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    elif ranks is not None and where.device.type == "cpu":
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // where.world))
+    if ranks is None:
+        return load_model(config.model, config.device, config.dtype), None
     dtype = str(pick_dtype(where.device, config.dtype)).removeprefix("torch.")
     for turn in range(where.world):
         if turn == where.rank:
@@ -87,7 +90,6 @@ def _runner(
     ranks: Ranks | None = None,
     leader: Leader | None = None,
 ) -> ModelRunner:
-    from specmesh_server.kv_cache import default_budget_bytes
     from specmesh_server.model_runner import ModelRunner
 
     return ModelRunner(
@@ -97,7 +99,7 @@ def _runner(
         max_context,
         tree_kernel=ATTENTION[config.attention],
         packed_linears=config.packed_linears,
-        kv_budget_bytes=config.kv_cache_bytes or (None if ranks is not None else default_budget_bytes(lm.device)),
+        kv_budget_bytes=config.kv_cache_bytes or None,  # None: the runner's default share of free memory
         block_size=config.block_size,
         prefix_caching=config.prefix_caching,
         shard=shard,
@@ -113,10 +115,6 @@ def _max_context(config: VerifierConfig, lm: LoadedModel) -> int:
 
 def load_shard(config: VerifierConfig, where: Placement, ranks: Ranks) -> ModelRunner:
     """Ranks 1..N-1: this rank's shard in a runner built as rank 0 builds its own."""
-    if config.threads > 0:
-        import torch
-
-        torch.set_num_threads(config.threads)
     lm, shard = _load(config, where, ranks)
     return _runner(config, lm, _max_context(config, lm), shard, ranks)
 
@@ -126,14 +124,11 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
     run the engine: a second thread opening OpenMP regions would slow every step (``TorchThread``).
     ``where`` (tensor parallelism, rank 0): join the ranks (``spawned``: those this process started),
     load this rank's shard and drive the others' forwards."""
-    import torch
 
     from specmesh_server.metrics import ALL_REDUCES
     from specmesh_server.model_loading import pick_device
     from specmesh_server.model_runner import measure_step_cost
 
-    if config.threads > 0:
-        torch.set_num_threads(config.threads)
     # A kernel the flags force must run here: refused now, before the model loads (and imports triton).
     check_kernel_device(config.attention, config.engine.device_accept, pick_device(config.device))
     t0 = time.perf_counter()
@@ -145,7 +140,7 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
 
         ranks = join(config, where)
         procs = list(spawned or [])
-        group = Group(ranks, Leader(ranks, watch=watch_spawned(procs)), procs)
+        group = Group(Leader(ranks, watch=watch_spawned(procs)), procs)
     lm, shard = _load(config, where, ranks)
     check_kernel_model(config.attention, lm.model.config)
     max_context = _max_context(config, lm)
