@@ -10,8 +10,8 @@ protobuf, prometheus-client, tokenizers, safetensors, httpx and numpy. This scri
    transformers + huggingface-hub (with the httpx2 stack and click it needs) into ``.whl/fallback`` (used
    there only if the machine's transformers is older than pyproject's floor) and numba + llvmlite (the
    suffix proposer), each only where it fits;
-3. copies the default model's tokenizer files into ``.whl/tokenizer`` (the weights stay behind: the
-   check builds random-weight models there);
+3. zips the default model's tokenizer files into ``.whl/tokenizer.zip`` (gpu_check.py unpacks them; the
+   weights stay behind: the check builds random-weight models there);
 4. checks that the tree plus ``.whl/`` fit the 64 MiB a device run carries, and prints the command.
 """
 
@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from specmesh_server.model_loading import resolve_model_path
 
+    # Zipped (3.5 MB → under 1 MB of the carry); gpu_check.py unpacks it into .whl/tokenizer.
     shutil.rmtree(BUNDLE / "tokenizer", ignore_errors=True)
-    AutoTokenizer.from_pretrained(resolve_model_path()).save_pretrained(BUNDLE / "tokenizer")
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoTokenizer.from_pretrained(resolve_model_path()).save_pretrained(tmp)
+        shutil.make_archive(str(BUNDLE / "tokenizer"), "zip", tmp)
 
     tree = tree_bytes()
     shutil.rmtree(BUNDLE / "fallback", ignore_errors=True)

@@ -64,9 +64,14 @@ def transformers_recent(root: Path) -> bool:
 
 def unpack_bundle(root: Path) -> None:
     """Unzip the bundle's wheels (``make gpu-bundle``) into ``.whl/site`` and ``.whl/fallback-site``: a
-    wheel is a zip of an importable tree, so no pip (nor network) is needed on the GPU machine."""
+    wheel is a zip of an importable tree, so no pip (nor network) is needed on the GPU machine; and its
+    tokenizer into ``.whl/tokenizer``."""
     import zipfile
 
+    packed = root / ".whl" / "tokenizer.zip"  # the default model's tokenizer files, zipped to fit the carry
+    if packed.is_file() and not (root / ".whl" / "tokenizer" / "tokenizer.json").is_file():
+        with zipfile.ZipFile(packed) as z:
+            z.extractall(root / ".whl" / "tokenizer")
     if sys.version_info[:2] != BUNDLE_PYTHON:  # cp312 wheels: this python could not import them
         return
     for wheels, site in (("*.whl", "site"), ("fallback/*.whl", "fallback-site")):

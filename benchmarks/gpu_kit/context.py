@@ -92,7 +92,7 @@ def model_folder(ctx: CheckContext, shape: dict[str, Any], dtype: torch.dtype, n
 
 
 def find_tokenizer(root: Path, given: str | None) -> Path | None:
-    """``--tokenizer``, else the bundle's copy (``.whl/tokenizer``, made by ``make gpu-bundle``), else the
+    """``--tokenizer``, else the bundle's copy (``.whl/tokenizer``, unpacked from ``make gpu-bundle``'s zip), else the
     default model's converted folder on this machine; None when none has ``tokenizer.json``."""
     candidates = [Path(given)] if given else [root / ".whl" / "tokenizer"]
     if not given:
