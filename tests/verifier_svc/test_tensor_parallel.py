@@ -90,11 +90,13 @@ def verifiers(tmp_path_factory, lm) -> Iterator[Verifiers]:
             "--proposer-wait-ms", "200",
             "--metrics-port", str(metrics_port),
         )  # fmt: skip
+        procs.append(tp2.proc)  # killed below if TP=1 fails to start (its ranks follow: PDEATHSIG)
         tp1 = start_verifier(tmp)
     except BaseException:
         for p in procs:
             p.kill()
         raise
+    procs.remove(tp2.proc)
     yield Verifiers(tp2, tp1, metrics_port)
     stop_verifier(tp2)
     stop_verifier(tp1)
