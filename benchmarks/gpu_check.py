@@ -12,7 +12,9 @@ failed (skipped and partial sections do not fail the run). Sections (``--section
 - tree_attention: the Triton kernel within dtype tolerance of its torch reference, over slot rows and
   through block tables (the verifier's paged pool);
 - acceptance: the batched acceptance kernel identical to the host walk; sampled convergence;
-- end_to_end: the verifier process on the device, kernels on and off, greedy equality with ``generate()``;
+- graphs: the static step replayed as CUDA graphs against the eager step (step table, launches, device-busy
+  share, capture time and memory) for both shapes, and greedy equality with graphs on and off;
+- end_to_end: the verifier process on the device (graphs, kernels on, kernels off), greedy equality with ``generate()``;
 - decode_step: device→host copies per decode step (batch 8, 16-node trees) and the step's profile;
 - draft: the draft proposer's device→host copies per proposal;
 - cost_curves: verification cost per tree size, the oracle ceiling, plain decoding vs ``generate()``;
@@ -39,6 +41,7 @@ SECTIONS = {  # name → (module, function, budget seconds on a GPU), in order o
     "environment": ("gpu_kit.environment", "environment_section", 15),
     "tree_attention": ("gpu_kit.kernel_checks", "tree_attention_section", 45),
     "acceptance": ("gpu_kit.kernel_checks", "acceptance_section", 45),
+    "graphs": ("gpu_kit.graphs", "graphs_section", 150),
     "end_to_end": ("gpu_kit.end_to_end", "end_to_end_section", 110),
     "decode_step": ("gpu_kit.engine_profile", "decode_step_section", 30),
     "draft": ("gpu_kit.engine_profile", "draft_section", 15),

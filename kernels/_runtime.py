@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -27,5 +28,10 @@ def runnable(kernel: Any, device: torch.device) -> Any:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs programs one by one)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
     return 1
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:  # asked once per device: every layer's launch plans with it
+    return torch.cuda.get_device_properties(index).multi_processor_count

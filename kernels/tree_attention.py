@@ -146,6 +146,7 @@ def _tree_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     PAGE: tl.constexpr,
+    ROW_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // n_m_blocks
@@ -175,6 +176,8 @@ def _tree_attention_kernel(
         visible = tl.zeros([BLOCK_M], dtype=tl.int32) + prefix
 
     kv_len = prefix + q_len
+    if ROW_CHUNK:  # the row's own keys spread over the grid's splits: lengths are data, the grid is fixed
+        chunk = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     k_lo = split * chunk
     k_hi = tl.minimum(k_lo + chunk, kv_len)
     k_hi = tl.where(m_block * BLOCK_M < q_len * GROUP, k_hi, k_lo)  # empty block: no keys
@@ -295,6 +298,7 @@ def launch_tree_attention(
     num_splits: int | None = None,
     block_table: torch.Tensor | None = None,
     block_size: int = 0,
+    row_chunks: bool = False,
 ) -> torch.Tensor:
     """Low-level launch on already-checked tensors; :func:`tree_attention` and
     :func:`paged_tree_attention` are the public entries.
@@ -306,6 +310,9 @@ def launch_tree_attention(
     of the prefix a row sees to ``< row_prefix`` (padding rows of a batch). ``block_table`` (int32
     [b, blocks]): the caches are one paged pool each, [1, kv_heads, slots, dim], request b's position
     p at slot ``block_table[b, p // block_size] · block_size + p % block_size`` (``slots`` all 0).
+    ``row_chunks``: ``max_kv`` is only a bound (a CUDA graph's capacity): the grid's key splits are
+    planned for it, and each request spreads its own ``prefix_lens[b] + q_len[b]`` keys over them,
+    read from the device; nothing in the launch depends on the lengths, so it can be captured and replayed.
     """
     n_req = slots.shape[0]
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
@@ -373,6 +380,7 @@ def launch_tree_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.dtype == torch.bfloat16 and interpreted(kernel),
         PAGE=0 if block_table is None else block_size,
+        ROW_CHUNK=row_chunks,
     )
     if splits > 1:
         combine = runnable(_combine_kernel, q.device)
@@ -444,13 +452,16 @@ def paged_tree_attention(
     max_q: int | None = None,
     max_kv: int | None = None,
     num_splits: int | None = None,
+    row_chunks: bool = False,
 ) -> torch.Tensor:
     """:func:`tree_attention` over a paged cache, read through the block table where the blocks lie.
 
     k_pool, v_pool: [kv_heads, slots, head_dim], one layer's pool (``specmesh_server.paged_kv``);
     block_table: int32 [b, blocks], request b's position p at slot
     ``block_table[b, p // block_size] · block_size + p % block_size``, its table covering
-    prefix_lens[b] + q_len[b] positions; the rest as :func:`tree_attention`.
+    prefix_lens[b] + q_len[b] positions; the rest as :func:`tree_attention`. ``row_chunks``: ``max_kv`` is a
+    bound (the table's capacity, say) and each request spreads its own keys over the splits planned for it:
+    the launch then depends on no length (what a CUDA graph captures).
     """
     if q.dim() != 3 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
         raise ValueError(f"q must be [total, heads, dim] and pools [kv_heads, slots, dim]: {q.shape} {k_pool.shape}")
@@ -462,7 +473,7 @@ def paged_tree_attention(
     return _checked_launch(
         q, k_pool[None], v_pool[None], cu_seqlens, zeros, prefix_lens, tree_bits,
         block_table.shape[1] * block_size, block_table, block_size,
-        scale=scale, max_q=max_q, max_kv=max_kv, num_splits=num_splits,
+        scale=scale, max_q=max_q, max_kv=max_kv, num_splits=num_splits, row_chunks=row_chunks,
     )  # fmt: skip
 
 
@@ -503,6 +514,7 @@ def _checked_launch(
     max_q: int | None,
     max_kv: int | None,
     num_splits: int | None,
+    row_chunks: bool = False,
 ) -> torch.Tensor:
     """The checks both public entries share, then the launch (``capacity``: positions a request may reach)."""
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype:
@@ -549,6 +561,7 @@ def _checked_launch(
         num_splits=num_splits,
         block_table=block_table,
         block_size=block_size,
+        row_chunks=row_chunks,
     )
 
 

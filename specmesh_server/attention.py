@@ -208,7 +208,7 @@ def _tree_kernel(query: torch.Tensor, key: Any, value: Any, meta: Any, scaling: 
     out = torch.empty(b, n, heads, dim, dtype=query.dtype, device=dev)
     paged: dict[str, Any] = {}
     if isinstance(key, TableContext):  # one "slot", the pool [1, kv_heads, slots, D], read through the table
-        paged = {"block_table": key.table, "block_size": key.block_size}
+        paged = {"block_table": key.table, "block_size": key.block_size, "row_chunks": key.bound}
         slots, max_kv = torch.zeros(b, dtype=torch.int32, device=dev), key.kv_len
         key, value = key.pool[None], value.pool[None]
     else:

@@ -194,6 +194,13 @@ class VerifierMetrics:
         self.step_tokens = Counter(
             "specmesh_step_tokens", "New tokens fed to forwards, by phase", ["phase", *m], registry=r
         )
+        self.decode_paths = Counter(
+            "specmesh_decode_steps",
+            "Decode steps by path: graph (a captured CUDA graph replayed), static (the static step run eagerly), "
+            "eager (a step no bucket holds, or static steps off)",
+            ["path", *m],
+            registry=r,
+        )
         self.decisions = Counter(
             "specmesh_router_decisions",
             "Router decisions by proposer and whether it speculates now",
@@ -338,9 +345,12 @@ class VerifierMetrics:
         if gap_s is not None:
             self._itl.observe(gap_s)
 
-    def step(self, phase: str, seconds: float, tokens: int, rows: int = 1) -> None:
+    def step(self, phase: str, seconds: float, tokens: int, rows: int = 1, path: str | None = None) -> None:
         """One forward: ``phase`` "prefill" | "decode"; ``tokens``: new tokens fed (padding included);
-        ``rows``: requests in it (the ``batch`` label, bucketed by ``batch_class``)."""
+        ``rows``: requests in it (the ``batch`` label, bucketed by ``batch_class``); ``path`` (decode):
+        graph | static | eager (``static_step``)."""
+        if path is not None:
+            self.decode_paths.labels(path, self.model).inc()
         children = self._steps.get((phase, rows))
         if children is None:
             children = self._steps[(phase, rows)] = (

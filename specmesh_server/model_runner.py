@@ -20,8 +20,10 @@ from specmesh_server.kv_blocks import BlockTable
 from specmesh_server.kv_cache import SlotKVCache, bytes_per_position, default_budget_bytes
 from specmesh_server.model_loading import head_dim as model_head_dim
 from specmesh_server.model_loading import text_config
-from specmesh_server.paged_kv import PagedKVCache
+from specmesh_server.paged_kv import PagedKVCache, PagedRows, move_slots
+from specmesh_server.static_step import StaticStep
 from specmesh_server.tensor_parallel import Leader, RankFailure, Ranks, Shard
+from specmesh_server.tree import TokenTree
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -119,6 +121,14 @@ class ModelRunner:
             )
         if supported:
             model.set_attn_implementation(attention.register())
+        self.static: StaticStep | None = None  # decode and verification steps in static buffers (``use_static``)
+
+    def use_static(self, max_batch: int, max_context: int, graphs: bool) -> StaticStep:
+        """Run decode and verification steps that fit its buckets as static steps (``static_step``), as
+        CUDA graphs where ``graphs`` and on CUDA (captured here), eagerly elsewhere."""
+        self.static = StaticStep(self, max_batch, max_context, graphs=graphs)
+        self.static.capture()
+        return self.static
 
     @torch.inference_mode()
     def forward(
@@ -196,11 +206,15 @@ class ModelRunner:
         )
         return out.last_hidden_state
 
-    def copy_positions(self, table: BlockTable, src: torch.Tensor, dst_start: int) -> None:
-        """The paged cache's ``copy_positions`` (accepted tree nodes into path order), on every rank."""
+    def move_positions(self, moves: list[tuple[BlockTable, list[int], int]]) -> None:
+        """After a verification step, each request's accepted tree nodes into path order: per request (its
+        table, the source positions, the first destination position), all in one copy on every rank."""
+        src, dst = move_slots([(t.blocks, p, d) for t, p, d in moves], self.cache.block_size)
+        if not src.numel():
+            return
         if self.leader is not None:
-            self.leader.send("copy", list(table.blocks), src, dst_start)
-        self.cache.copy_positions(table, src, dst_start)
+            self.leader.send("copy", src, dst)
+        self.cache.copy_slots(src, dst)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -300,12 +314,20 @@ def _timed_forward(runner: ModelRunner, where: Any, ids: torch.Tensor, at: int, 
     dev, rows = runner.device, ids.shape[0]
     pos = torch.arange(at, at + width, device=dev)[None].expand(rows, width)
     mask = causal_mask(pos, at + width)
+    static = runner.static if isinstance(where, PagedRows) and runner.static is not None else None
+    if static is not None and static.fits(rows, width):  # as the engine runs it: the static step (a graph)
+        host = ids[:, at : at + width].tolist()
+        chain = [TokenTree(r[1:], list(range(-1, width - 2))) for r in host]
+        tables = [runner.cache.own_blocks(b) for b in where.blocks[:rows]]
     best = float("inf")
     for _ in range(repeats):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner.logits(runner.forward(_first(where, rows), ids[:, at : at + width], pos, mask))
+        if static is not None and static.fits(rows, width):
+            runner.logits(static.forward([r[0] for r in host], [at] * rows, chain, tables))
+        else:
+            runner.logits(runner.forward(_first(where, rows), ids[:, at : at + width], pos, mask))
         if dev.type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)

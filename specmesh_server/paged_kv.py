@@ -36,6 +36,7 @@ blocks used, up to the budget, not at start.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -139,6 +140,29 @@ def plan_reads(
     return RowReads(tuple(keep), shared, Gathered(slot, at, int(at[-1]))), copy
 
 
+def move_slots(
+    moves: Sequence[tuple[Sequence[int], Sequence[int], int]], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (source, destination) slots of several requests' moves, each (its blocks, source positions,
+    first destination position): the source positions go to consecutive positions from there. Positions
+    already in place are left out. Host tensors, int64 [m] each.
+
+    >>> [t.tolist() for t in move_slots([([7, 3], [2, 4, 5], 2), ([1], [0], 0)], 4)]
+    [[12, 13], [31, 12]]
+    """
+    src, dst = [], []
+    for blocks, positions, start in moves:
+        table = np.asarray(blocks, dtype=np.int64)
+        p = np.asarray(positions, dtype=np.int64)
+        q = np.arange(start, start + p.size, dtype=np.int64)
+        moved = p != q
+        src.append(table[p[moved] // block_size] * block_size + p[moved] % block_size)
+        dst.append(table[q[moved] // block_size] * block_size + q[moved] % block_size)
+    if not src:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+    return torch.from_numpy(np.concatenate(src)), torch.from_numpy(np.concatenate(dst))
+
+
 @dataclass(frozen=True)
 class BlockContext:
     """One layer's keys or values, left in its pool, with the rows' reads: what ``update`` returns in
@@ -165,25 +189,31 @@ class TableContext:
     table: torch.Tensor
     block_size: int
     kv_len: int
+    bound: bool = False  # kv_len is only the table's capacity (a static step): rows' lengths are data
 
 
 @dataclass(frozen=True)
 class PagedRows:
-    """The rows of one forward: their block tables, padded with the scratch block, as a tensor on the
-    device and as host lists (the in-place read plans its runs from those, with no device read).
+    """The rows of one forward: their block tables, padded with the scratch block, as host lists (the
+    in-place read plans its runs from those, with no device read) and, when a forward first asks, as a
+    tensor on the device (one host→device copy; a static step never asks).
 
     table: int64 [b, blocks]
     """
 
-    table: torch.Tensor
     blocks: tuple[tuple[int, ...], ...]
+    device: torch.device
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        return torch.tensor(self.blocks, dtype=torch.long, device=self.device)
 
     def first(self, rows: int) -> PagedRows:
-        return PagedRows(self.table[:rows], self.blocks[:rows])
+        return PagedRows(self.blocks[:rows], self.device)
 
     @property
     def batch(self) -> int:
-        return self.table.shape[0]
+        return len(self.blocks)
 
 
 class PagedKVCache:
@@ -210,14 +240,16 @@ class PagedKVCache:
         self.manager = BlockManager(BlockPool(num_blocks, block_size, caching))
         self.scratch = num_blocks  # the block past the pool's
         slots = (num_blocks + 1) * block_size
-        shape = (num_kv_heads, slots, head_dim)
-        self.keys = [zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.values = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        # Keys and values of every layer in one tensor: a step's accepted nodes move in one copy.
+        self._pools = zeros((2, num_layers, num_kv_heads, slots, head_dim), dtype, device)
+        self.keys = list(self._pools[0])  # [kv_heads, slots, dim] per layer, views
+        self.values = list(self._pools[1])
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # flat, grown as needed
         self._write = self._read = torch.empty(0, dtype=torch.long, device=device)
         self._rows_len = (0, 0)  # (b, kv_len) of the current forward
         self._reads: tuple[RowReads, ...] | None = None  # the current forward's, where it reads in place
         self._table: torch.Tensor | None = None  # the current forward's, where the tree kernel reads through it
+        self._bound = False  # the current forward's kv_len is a static step's capacity
 
     # --- capacity -----------------------------------------------------------------------
     @property
@@ -250,7 +282,7 @@ class PagedKVCache:
         """
         cols = max(-(-positions // self.block_size), 1)
         padded = tuple(tuple(t.blocks[:cols] + [self.scratch] * (cols - len(t.blocks[:cols]))) for t in tables)
-        return PagedRows(torch.tensor(padded, dtype=torch.long, device=self.device), padded)  # one host→device copy
+        return PagedRows(padded, self.device)
 
     @contextlib.contextmanager
     def measurement_rows(self, rows: int, positions: int) -> Iterator[PagedRows]:
@@ -301,13 +333,14 @@ class PagedKVCache:
         self._write = self.slots(table, write_pos, row_index).reshape(-1)  # [tokens]
         self._rows_len = (b, kv_len)
         self._table = table.to(torch.int32).contiguous() if through_table else None
+        self._bound = False
         if through_table:
             self._reads = None
             return
         if self.in_place and shared is not None:
             bs, reads, copy = self.block_size, [], []
             for blocks, first in zip(rows.blocks, shared, strict=True):
-                own = self._own(blocks)
+                own = self.own_blocks(blocks)
                 row, more = plan_reads(own, min(kv_len, len(own) * bs), first, bs, len(copy) * bs)
                 reads.append(row)
                 copy += more
@@ -319,6 +352,14 @@ class PagedKVCache:
         self._read = table.reshape(-1)  # [b · cols] whole blocks, gathered block by block
         self._ensure_buffers(b * cols)
 
+    def begin_static(self, write_slots: torch.Tensor, table: torch.Tensor) -> None:
+        """Next forward is a static step's (``static_step``): its tokens go to ``write_slots`` (int64
+        [tokens], computed on the host) and the tree kernel reads its rows through ``table`` (int32
+        [b, columns]), both views of the step's device buffers; its rows' lengths are in the kernel's
+        metadata, so nothing here depends on them (a CUDA graph replays the same calls)."""
+        self._write, self._table, self._reads, self._bound = write_slots, table, None, True
+        self._rows_len = (table.shape[0], table.shape[1] * self.block_size)
+
     def _ensure_buffers(self, blocks: int) -> None:
         """Gather buffers for ``blocks`` blocks' keys and values."""
         heads, dim = self.shape_tail
@@ -326,7 +367,7 @@ class PagedKVCache:
         if self._buffers is None or self._buffers[0].numel() < need:
             self._buffers = tuple(torch.empty(need, dtype=self.dtype, device=self.device) for _ in range(2))
 
-    def _own(self, blocks: tuple[int, ...]) -> tuple[int, ...]:
+    def own_blocks(self, blocks: tuple[int, ...]) -> tuple[int, ...]:
         """A padded table's own blocks: those before the scratch block."""
         return blocks[: blocks.index(self.scratch)] if self.scratch in blocks else blocks
 
@@ -341,9 +382,9 @@ class PagedKVCache:
         for layer, new in zip(layers, (key_states, value_states), strict=True):
             layer[:, self._write] = new.transpose(0, 1).reshape(heads, -1, dim).to(layer.dtype)
         if self._table is not None:
-            kv_len = self._rows_len[1]
-            return TableContext(layers[0], self._table, self.block_size, kv_len), TableContext(
-                layers[1], self._table, self.block_size, kv_len
+            kv_len, bound = self._rows_len[1], self._bound
+            return TableContext(layers[0], self._table, self.block_size, kv_len, bound), TableContext(
+                layers[1], self._table, self.block_size, kv_len, bound
             )
         b, kv_len = self._rows_len
         bs, blocks = self.block_size, self._read.numel()
@@ -364,12 +405,14 @@ class PagedKVCache:
     def copy_positions(self, table: BlockTable, src: torch.Tensor, dst_start: int) -> None:
         """Move positions ``src`` (int64 [m], ascending) of ``table``'s request to ``dst_start..+m-1``:
         after tree verification, the accepted nodes' entries in path order."""
-        bs = self.block_size
-        blocks = torch.tensor(table.blocks, dtype=torch.long, device=self.device)
-        dst = torch.arange(dst_start, dst_start + src.numel(), device=self.device)
-        src_slots, dst_slots = (blocks[p // bs] * bs + p % bs for p in (src.to(self.device), dst))
-        for layer in self.keys + self.values:
-            layer[:, dst_slots] = layer[:, src_slots]
+        self.copy_slots(*move_slots([(table.blocks, src.tolist(), dst_start)], self.block_size))
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's keys and values at flat slots ``src`` (int64 [m]) to slots ``dst``, in one copy
+        (the source is read whole before any of it is written, so the two may overlap)."""
+        if src.numel():
+            src, dst = src.to(self.device), dst.to(self.device)
+            self._pools[:, :, :, dst] = self._pools[:, :, :, src]
 
     # Methods transformers may probe on a cache object.
     def get_seq_length(self, layer_idx: int = 0) -> int:

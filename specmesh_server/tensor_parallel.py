@@ -286,13 +286,15 @@ def init_ranks(
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor in it (tuples, lists, dicts, dataclasses) moved to ``device``.
+    """``obj`` with every tensor (and device) in it (tuples, lists, dicts, dataclasses) moved to ``device``.
 
     >>> to_device({"a": (torch.ones(1), 2)}, torch.device("cpu"))["a"][1]
     2
     """
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
+    if isinstance(obj, torch.device):  # where a field builds its tensors (``PagedRows``)
+        return device
     if isinstance(obj, tuple | list):
         return type(obj)(to_device(x, device) for x in obj)
     if isinstance(obj, dict):

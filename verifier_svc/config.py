@@ -10,7 +10,7 @@ from specmesh_server.packed_linear import add_linears_flag
 from specmesh_server.security import ServerSecurity, add_security_flags, security_config
 from verifier_svc.batch_accept import KERNEL_MAX_NODES
 from verifier_svc.engine import EngineConfig
-from verifier_svc.kernel_paths import ATTENTION, DEVICE_ACCEPT
+from verifier_svc.kernel_paths import ATTENTION, CUDA_GRAPHS, DEVICE_ACCEPT
 from verifier_svc.local_proposer import inprocess_kind
 from verifier_svc.speculation import SpeculationConfig
 
@@ -26,6 +26,7 @@ class VerifierConfig:
     tensor_parallel_timeout_s: float = 60.0  # bound on every collective wait; past it a rank counts as failed
     packed_linears: bool = True  # CPU: linear layers through oneDNN with pre-packed weights
     attention: str = "auto"  # tree verification's attention: auto (the Triton kernel on CUDA), triton, sdpa
+    cuda_graphs: str = "auto"  # decode/verify steps as static steps: auto (CUDA graphs on CUDA), on, off
     max_context: int = 0  # 0 = the model's max_position_embeddings
     kv_cache_bytes: int | None = None  # KV cache budget; None = kv_cache.default_budget_bytes
     block_size: int = 16  # KV positions per block of the paged cache
@@ -83,6 +84,16 @@ def build_flags() -> ServiceFlags:
         "the tree mask, auto = triton on CUDA and sdpa elsewhere; a forced kernel that cannot run here (CPU "
         "tensors without Triton's interpreter, a model it does not serve) is refused at start-up",
         choices=list(ATTENTION),
+    )
+    f.add(
+        "--cuda-graphs",
+        "auto",
+        str,
+        "decode and verification steps as static steps (inputs in preallocated buffers, one host-to-device copy), "
+        "replayed as CUDA graphs captured at start-up per batch × tokens-per-row bucket: on, off, auto = on where "
+        "the tree-attention kernel runs on CUDA at --tensor-parallel-size 1; on with CPU tensors runs the same "
+        "static step eagerly (Triton's interpreter); needs --attention triton (auto on CUDA)",
+        choices=list(CUDA_GRAPHS),
     )
     f.add(
         "--device-accept",
@@ -272,6 +283,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         tensor_parallel_timeout_s=a.tensor_parallel_timeout,
         packed_linears=a.linears == "packed",
         attention=a.attention,
+        cuda_graphs=a.cuda_graphs,
         max_context=a.max_context,
         kv_cache_bytes=a.kv_cache_memory,
         block_size=a.block_size,

@@ -460,13 +460,19 @@ class Engine:
         self.speculation.observe_step(len(seqs), step.computed / len(seqs), step.seconds, step.width, step.keys)
         self.stats.steps += 1
         if self.metrics is not None:
-            self.metrics.step("decode", step.seconds, step.computed, len(seqs))
+            self.metrics.step("decode", step.seconds, step.computed, len(seqs), step.path)
         emitted = self.speculation.after_step(seqs, trees, step.results, step.seconds)
         states = self.speculation.hidden_states(step.hidden, seqs, step.state_rows)
+        # Keep only the accepted nodes' KV, in path order (node k sits at position length + 1 + k): one copy.
+        self.runner.move_positions(
+            [
+                (s.blocks, [s.length + 1 + k for k in path], s.length + 1)
+                for s, (path, _) in zip(seqs, step.results, strict=True)
+                if path != list(range(len(path)))
+            ]
+        )
         for seq, (path, _), tokens, lp, state in zip(seqs, step.results, emitted, step.logprobs, states, strict=True):
             base = seq.length + 1  # cache position of tree node 0
-            if path != list(range(len(path))):  # keep only the accepted nodes' KV, in path order
-                self.runner.copy_positions(seq.blocks, torch.tensor(path) + base, base)
             seq.length = base + len(path)
             self.blocks.shrink(seq.blocks, seq.length)  # the rejected nodes' blocks go back
             seq.steps += 1

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 ATTENTION = {"auto": None, "triton": True, "sdpa": False}
 # --device-accept → EngineConfig.device_accept: None = the kernel for CUDA logits, the host walk elsewhere.
 DEVICE_ACCEPT = {"auto": None, "on": True, "off": False}
+# --cuda-graphs → static steps: None = where the tree kernel runs on CUDA (graphs), True = wherever it runs.
+CUDA_GRAPHS = {"auto": None, "on": True, "off": False}
 
 
 class KernelUnavailable(RuntimeError):
@@ -92,3 +94,28 @@ def describe(tree_kernel: bool, packs: bool, device_accept: bool | None, device:
         attn = "sdpa" if packs else "transformers' own (a model the kernel does not serve)"
     on_device = device.type == "cuda" if device_accept is None else device_accept
     return f"tree attention {attn}, acceptance {f'on device{interpreted}' if on_device else 'host walk'}"
+
+
+def static_steps(cuda_graphs: str, tree_kernel: bool, device: torch.device, tensor_parallel: int) -> bool:
+    """Whether decode steps run as static steps (``static_step``; CUDA graphs on CUDA) under
+    ``--cuda-graphs``; raises :class:`KernelUnavailable` where ``on`` asks for what cannot run.
+
+    >>> import torch
+    >>> static_steps("auto", True, torch.device("cuda"), 1), static_steps("auto", True, torch.device("cpu"), 1)
+    (True, False)
+    >>> static_steps("on", True, torch.device("cpu"), 1), static_steps("auto", True, torch.device("cuda"), 2)
+    (True, False)
+    """
+    wanted = CUDA_GRAPHS[cuda_graphs]
+    if wanted is None:
+        return tree_kernel and device.type == "cuda" and tensor_parallel == 1
+    if wanted and not tree_kernel:
+        raise KernelUnavailable(
+            "--cuda-graphs on: a static step reads the KV blocks through the tree-attention kernel, which this "
+            "verifier does not run (choose --attention triton, or --cuda-graphs auto|off)"
+        )
+    if wanted and tensor_parallel > 1:
+        raise KernelUnavailable(
+            "--cuda-graphs on: static steps run at --tensor-parallel-size 1 only (choose --cuda-graphs auto|off)"
+        )
+    return wanted

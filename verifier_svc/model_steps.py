@@ -134,6 +134,7 @@ class DecodeStep:
     width: int  # the widest row: pending token + tree
     keys: int  # key positions the mask spans
     seconds: float  # the forward, acceptance and logprobs
+    path: str  # graph (a CUDA graph replayed) | static (the static step, eagerly) | eager
 
     def state_rows(self, i: int) -> list[int]:
         """Emitted token j of request i was predicted at its parent's row: the pending token's row
@@ -157,25 +158,19 @@ def decode_step(
     ``grammar.step_masks``: each node by the grammar state its path reaches), each request's logits
     controls on every row (``logits_controls``: each node as if its path were generated; ``eos_ids`` for
     min_tokens) and lossless acceptance per request (``batch_accept.accept_batch``)."""
-    dev = runner.device
-    step = decode_inputs([s.pending for s in seqs], [s.length for s in seqs], trees, dev)
-    width = step.input_ids.shape[1]
     counts = [len(t) + 1 for t in trees]
-    real = unpadded(counts, dev)  # (row, column) of each real token: [sum(n_i + 1)] each
-    # Packed: the forward holds the real tokens only, so a row pays for its own tree, not the widest
-    # (8 rows, one 16-node tree: 169 → 113 ms here). Where padding is under a tenth, the scatter
-    # and gather cost more than it saves (8 rows × 5 tokens: 90 vs 94 ms), so those steps stay padded.
-    packing = Packing(*real, len(seqs), width) if packed and sum(counts) < 0.9 * len(seqs) * width else None
-    computed = sum(counts) if packing is not None else len(seqs) * width
-    meta = None
-    if runner.tree_kernel:  # the kernel's form of the mask, from the trees: no device read
-        from specmesh_kernels.tree_attention import MAX_TREE_ROWS, tree_meta_from_trees
-
-        if width <= MAX_TREE_ROWS:
-            meta = tree_meta_from_trees([t.parents for t in trees], [s.length for s in seqs], width, dev)
+    width = max(counts)
+    lengths = [s.length for s in seqs]
+    static = runner.static
     t0 = time.perf_counter()
-    hidden = runner.forward(rows, step.input_ids, step.positions, step.mask, step.write_pos, packing, tree_meta=meta)
-    hidden = hidden[0] if packing is not None else hidden[real]  # [sum(n_i + 1), h]
+    if static is not None and static.fits(len(seqs), width):  # one staged copy; a CUDA graph's replay
+        tables = [runner.cache.own_blocks(b) for b in rows.blocks]
+        path = "graph" if static.replays(len(seqs), width) else "static"
+        hidden = static.forward([s.pending for s in seqs], lengths, trees, tables)  # [sum(n_i + 1), h]
+        computed = len(seqs) * width
+    else:
+        path = "eager"
+        hidden, computed = _eager_forward(runner, seqs, trees, rows, packed)
     logits = runner.logits(hidden)  # [sum(n_i + 1), vocab]
     if masks is not None:
         masks.apply(logits)
@@ -192,4 +187,29 @@ def decode_step(
 
     logprobs = step_logprobs(reqs, logits, drawn)
     seconds = time.perf_counter() - t0
-    return DecodeStep(hidden, results, logprobs, starts, computed, width, step.mask.shape[-1], seconds)
+    return DecodeStep(hidden, results, logprobs, starts, computed, width, max(lengths) + width, seconds, path)
+
+
+def _eager_forward(
+    runner: ModelRunner, seqs: list[Sequence], trees: list[TokenTree], rows: PagedRows, packed: bool
+) -> tuple[torch.Tensor, int]:
+    """A decode step's forward outside the static step's buckets: the real tokens' hidden states
+    [sum(n_i + 1), h], and the tokens it computed (padding included where padded)."""
+    dev = runner.device
+    step = decode_inputs([s.pending for s in seqs], [s.length for s in seqs], trees, dev)
+    width = step.input_ids.shape[1]
+    counts = [len(t) + 1 for t in trees]
+    real = unpadded(counts, dev)  # (row, column) of each real token: [sum(n_i + 1)] each
+    # Packed: the forward holds the real tokens only, so a row pays for its own tree, not the widest
+    # (8 rows, one 16-node tree: 169 → 113 ms here). Where padding is under a tenth, the scatter
+    # and gather cost more than it saves (8 rows × 5 tokens: 90 vs 94 ms), so those steps stay padded.
+    packing = Packing(*real, len(seqs), width) if packed and sum(counts) < 0.9 * len(seqs) * width else None
+    computed = sum(counts) if packing is not None else len(seqs) * width
+    meta = None
+    if runner.tree_kernel:  # the kernel's form of the mask, from the trees: no device read
+        from specmesh_kernels.tree_attention import MAX_TREE_ROWS, tree_meta_from_trees
+
+        if width <= MAX_TREE_ROWS:
+            meta = tree_meta_from_trees([t.parents for t in trees], [s.length for s in seqs], width, dev)
+    hidden = runner.forward(rows, step.input_ids, step.positions, step.mask, step.write_pos, packing, tree_meta=meta)
+    return (hidden[0] if packing is not None else hidden[real]), computed  # [sum(n_i + 1), h]

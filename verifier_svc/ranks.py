@@ -146,19 +146,15 @@ def follow_main(config: VerifierConfig, where: Placement) -> int:
     """Ranks 1..N-1: load this rank's shard and run rank 0's operations; the exit status."""
     import torch
 
-    from specmesh_server.kv_blocks import BlockTable
     from specmesh_server.tensor_parallel import follow
     from verifier_svc.target_model import load_shard
 
     ranks = join(config, where)
     runner = load_shard(config, where, ranks)
 
-    def copy(blocks: list[int], src: torch.Tensor, dst_start: int) -> None:
-        runner.cache.copy_positions(BlockTable(b"", blocks=blocks), src, dst_start)
-
     try:
         with torch.inference_mode():
-            follow(ranks, where.device, {"forward": runner.forward, "copy": copy})
+            follow(ranks, where.device, {"forward": runner.forward, "copy": runner.cache.copy_slots})
     except Exception as exc:  # rank 0 gone, or this rank's own forward failed: exit, rank 0's watch sees it
         print(f"verifier rank {where.rank}: {exc!r}", file=sys.stderr, flush=True)
         return 1

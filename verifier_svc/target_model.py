@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from specmesh_router.cost_model import LiveStepCost
 from verifier_svc.config import VerifierConfig
-from verifier_svc.kernel_paths import ATTENTION, check_kernel_device, check_kernel_model, describe
+from verifier_svc.kernel_paths import ATTENTION, check_kernel_device, check_kernel_model, describe, static_steps
 
 if TYPE_CHECKING:
     from specmesh_server.model_loading import LoadedModel
@@ -143,6 +143,13 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
         group = Group(Leader(ranks, watch=watch_spawned(procs)), procs)
     lm, shard = _load(config, where, ranks)
     check_kernel_model(config.attention, lm.model.config)
+    kernel = ATTENTION[config.attention]  # --cuda-graphs on without the kernel: refused before the runner is built
+    static_steps(
+        config.cuda_graphs,
+        lm.device.type == "cuda" if kernel is None else kernel,
+        lm.device,
+        config.tensor_parallel_size,
+    )
     max_context = _max_context(config, lm)
     print(
         f"verifier: model {lm.name} from {lm.path} on {lm.device} ({lm.dtype}) in {time.perf_counter() - t0:.1f} s",
@@ -169,6 +176,9 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
     )
     if runner.packed_linears:
         print("verifier: linear layers run through oneDNN with pre-packed weights (--linears stock: off)", flush=True)
+    if static_steps(config.cuda_graphs, runner.tree_kernel, lm.device, config.tensor_parallel_size):
+        static = runner.use_static(config.engine.max_running, max_context, graphs=True)
+        print(f"verifier: decode steps as static steps, {static.describe()} (--cuda-graphs off: none)", flush=True)
     step_cost = None
     if config.proposers and config.spec_gating == "cost":
         t1 = time.perf_counter()

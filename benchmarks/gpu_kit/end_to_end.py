@@ -1,7 +1,8 @@
 """End to end: the verifier process on the device, with and without the kernels, against ``generate()``.
 
-Per dtype (fp32, and bf16 on a GPU) and kernel setting (``--attention triton --device-accept on`` /
-``--attention sdpa --device-accept off``) one verifier process serves the random-weight target with three
+Per dtype (fp32, and bf16 on a GPU) and kernel setting (graphs: ``--attention triton --device-accept on
+--cuda-graphs on``; on: the same with ``--cuda-graphs off``; off: ``--attention sdpa --device-accept off``;
+on a CPU, graphs runs the static step eagerly) one verifier process serves the random-weight target with three
 proposers: n-gram (in process), suffix (its own service, where numba is importable) and the oracle
 (this process; it proposes ``generate()``'s own continuation, so trees are deep and mostly accepted).
 Every greedy output must equal ``generate()`` of the same model on the same device and dtype.
@@ -26,7 +27,8 @@ from gpu_kit.context import CheckContext, model_folder
 from gpu_kit.report import Deadline, Section
 
 NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 2**-5, torch.float16: 2**-8}
-KERNELS = {"on": ("triton", "on"), "off": ("sdpa", "off")}
+# kernels → (--attention, --device-accept, --cuda-graphs); "graphs" first: what a GPU verifier runs by default.
+KERNELS = {"graphs": ("triton", "on", "on"), "on": ("triton", "on", "off"), "off": ("sdpa", "off", "off")}
 
 
 @dataclass
@@ -197,10 +199,11 @@ def end_to_end_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
                 wants = [ref.greedy(p, n_tokens) for p in batch]
                 for p, w in zip(batch, wants, strict=True):
                     oracle.servicer.set_continuation(tuple(p), w)
-                attention, accept = KERNELS[kernels]
+                attention, accept, graphs = KERNELS[kernels]
                 args = [
                     "--model", str(path), "--device", str(ctx.device), "--dtype", str(dtype).removeprefix("torch."),
-                    "--attention", attention, "--device-accept", accept, "--spec-gating", "always",
+                    "--attention", attention, "--device-accept", accept, "--cuda-graphs", graphs,
+                    "--spec-gating", "always",
                     "--max-running", "8", "--max-context", "2048", "--kv-cache-memory", "2GiB",
                     "--proposer", "ngram=inprocess:ngram", "--proposer", f"oracle={oracle.address}",
                     "--auto-proposers", "ngram",

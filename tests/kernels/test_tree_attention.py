@@ -165,6 +165,25 @@ def test_the_kernel_through_block_tables_matches_it_over_rows(name):
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("name", list(PAGED_CASES)[:3])
+@pytest.mark.usefixtures("cpu_kernels")
+def test_with_row_chunks_a_capacity_bound_grid_gives_the_same_attention(name):
+    """A CUDA graph's launch: the grid planned for the table's whole capacity (``max_kv``), each request
+    spreading its own keys over the splits; rows far shorter than the capacity leave most splits empty."""
+    case, bs = PAGED_CASES[name]
+    n_req, nodes, prefix, heads, kv_heads, dim, dtype, _, exact = CASES[case]
+    args, _ = make_batch(7, n_req, nodes, prefix, heads, kv_heads, dim, dtype, exact=exact)
+    q, kp, vp, cu, table, prefix_lens, bits = to_paged(args, bs, seed=3)
+    extra = torch.full((table.shape[0], 8), kp.shape[1] // bs - 1, dtype=torch.int32)  # capacity past every row
+    table = torch.cat([table, extra], dim=1)
+    want = tree_attention_reference(*args)
+    capacity = table.shape[1] * bs
+    got = paged_tree_attention(
+        q, kp, vp, cu, table, prefix_lens, bits, block_size=bs, max_kv=capacity, num_splits=5, row_chunks=True
+    )
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_launcher_rejects_bad_shapes_and_dtypes():
     args, _ = make_batch(2, 2, 3, 10, 4, 2, 16, torch.float32)
     q, k, v, cu, slots, prefix, bits = args

@@ -1,0 +1,307 @@
+"""The static step: a decode or verification forward whose every input lives in one preallocated buffer,
+so that on CUDA it is captured once per (batch, width) bucket as a CUDA graph and replayed.
+
+A step of ``b`` rows, each its pending token and a tree of ``n_i`` nodes, runs in the smallest bucket
+``(B, W)`` with ``B >= b`` and ``W >= max(n_i) + 1`` (:func:`pick`). Its inputs are written on the host,
+vectorised per row, into one flat int64 staging buffer (pinned on CUDA) and reach the device in **one**
+host→device copy; the forward reads them as views of the device copy (:class:`StepViews`):
+
+    input_ids, positions, write_slots, row_prefix, bits   [B, W]  (slots flat: where each token's K/V goes)
+    table                                                 [B, C]  (block tables, C = the capacity's columns)
+    start                                                 [B]     (first new position of each row)
+    gather                                                [B · W] (flat index of each real token, first N used)
+
+Nothing inside the forward reads a length on the host, allocates by a length, or synchronises: write
+slots are computed here, the tree-attention kernel's grid is planned for the table's capacity and each
+row spreads its own keys over it (``row_chunks``), and its mask is the kernel's metadata (start,
+row_prefix, ancestor bits). Padding rows and columns write into the cache's scratch block, and no real
+query reads them (their bits are 0; a padding query sees key 0 only, so no softmax row is empty).
+
+On a CPU the same code runs eagerly: its tested form (``--cuda-graphs on``). Graphs are captured largest
+bucket first into one memory pool, as vLLM and SGLang do; a step that fits no bucket runs the eager path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from specmesh_server.tree import TokenTree, depths
+
+WIDTHS = (1, 2, 3, 5, 9, 17, 33, 64)  # tokens per row: the pending token and 0, 1, 2, 4, 8, 16, 32, 63 nodes
+FIELDS = ("input_ids", "positions", "write_slots", "row_prefix", "bits", "gather")  # [B, W] each
+
+
+def batch_sizes(max_running: int) -> tuple[int, ...]:
+    """Batch buckets up to ``max_running``: 1, 2, 4, then every multiple of 8, and the limit itself.
+
+    >>> batch_sizes(32), batch_sizes(5)
+    ((1, 2, 4, 8, 16, 24, 32), (1, 2, 4, 5))
+    """
+    sizes = {s for s in (1, 2, 4) if s <= max_running} | set(range(8, max_running + 1, 8)) | {max_running}
+    return tuple(sorted(sizes))
+
+
+def pick(sizes: Sequence[int], n: int) -> int | None:
+    """The smallest size holding ``n``, or None.
+
+    >>> pick((1, 2, 4, 8), 3), pick((1, 2, 4, 8), 9)
+    (4, None)
+    """
+    return next((s for s in sizes if s >= n), None)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a bucket's inputs lie in the flat buffer: the six [B, W] fields, then table [B, C], start [B].
+
+    >>> Layout(2, 4, 3).size
+    56
+    """
+
+    batch: int
+    width: int
+    columns: int
+
+    @property
+    def size(self) -> int:
+        b, w = self.batch, self.width
+        return len(FIELDS) * b * w + b * self.columns + b
+
+    def views(self, flat: torch.Tensor | np.ndarray) -> StepViews:
+        """The bucket's fields as views of ``flat`` (a device tensor, or the host staging array)."""
+        b, w, c = self.batch, self.width, self.columns
+        parts, at = [], 0
+        for _ in FIELDS:
+            parts.append(flat[at : at + b * w].reshape(b, w))
+            at += b * w
+        table = flat[at : at + b * c].reshape(b, c)
+        start = flat[at + b * c : at + b * c + b]
+        return StepViews(*parts, table, start)
+
+
+@dataclass(frozen=True)
+class StepViews:
+    input_ids: Any  # [B, W]
+    positions: Any  # [B, W] rotary positions: the row's length + each node's depth
+    write_slots: Any  # [B, W] flat cache slots the new keys and values go to
+    row_prefix: Any  # [B, W] keys below it always seen (the row's length; 1 for padding)
+    bits: Any  # [B, W] ancestor bitmask over the row's new tokens
+    gather: Any  # [B, W] viewed flat: row · W + column of each real token, first N used
+    table: Any  # [B, C] block ids, padded with the scratch block
+    start: Any  # [B] the row's length: its first new position
+
+
+def stage(
+    views: StepViews,
+    pending: Sequence[int],
+    lengths: Sequence[int],
+    trees: Sequence[TokenTree],
+    tables: Sequence[Sequence[int]],
+    block_size: int,
+    scratch: int,
+) -> int:
+    """Write one step's inputs into host ``views`` (numpy, a bucket's); returns N, the real tokens.
+
+    Row i: its pending token at position ``lengths[i]``, then its tree's nodes written right after it
+    (slots through ``tables[i]``) at their depth's rotary position; padding to the scratch block.
+
+    >>> L = Layout(2, 3, 2); flat = np.zeros(L.size, dtype=np.int64); v = L.views(flat)
+    >>> stage(v, [9], [5], [TokenTree([7, 8], [-1, -1])], [[3, 0]], block_size=4, scratch=6)
+    3
+    >>> v.input_ids.tolist(), v.positions.tolist(), v.write_slots.tolist()
+    ([[9, 7, 8], [0, 0, 0]], [[5, 6, 6], [0, 0, 0]], [[1, 2, 3], [24, 25, 26]])
+    >>> v.bits.tolist(), v.row_prefix.tolist(), v.table.tolist(), v.gather.reshape(-1)[:3].tolist()
+    ([[1, 3, 5], [0, 0, 0]], [[5, 5, 5], [1, 1, 1]], [[3, 0], [6, 6]], [0, 1, 2])
+    """
+    from specmesh_kernels.tree_attention import ancestor_bits
+
+    rows, width = views.input_ids.shape
+    cols = np.arange(width)
+    scratch_slots = scratch * block_size + cols % block_size  # [W]
+    views.input_ids[:] = 0
+    views.positions[:] = 0
+    views.write_slots[:] = scratch_slots
+    views.row_prefix[:] = 1
+    views.bits[:] = 0
+    views.table[:] = scratch
+    views.start[:] = 0
+    gather = views.gather.reshape(-1)
+    n_real = 0
+    for i, (tok, length, tree, blocks) in enumerate(zip(pending, lengths, trees, tables, strict=True)):
+        n = len(tree) + 1
+        table = np.asarray(blocks, dtype=np.int64)
+        views.table[i, : table.size] = table
+        views.input_ids[i, :n] = [tok, *tree.tokens]
+        views.positions[i, :n] = length + np.asarray([0, *depths(tree.parents)])
+        at = length + cols[:n]
+        views.write_slots[i, :n] = table[at // block_size] * block_size + at % block_size
+        views.row_prefix[i, :n] = length
+        views.bits[i, :n] = ancestor_bits(tree.parents)
+        views.start[i] = length
+        gather[n_real : n_real + n] = i * width + cols[:n]
+        n_real += n
+    if len(pending) > rows:
+        raise ValueError(f"{len(pending)} rows staged into a bucket of {rows}")
+    return n_real
+
+
+@dataclass(frozen=True)
+class Captured:
+    graph: Any  # torch.cuda.CUDAGraph, or None where the bucket runs eagerly
+    hidden: torch.Tensor  # [B, W, hidden]: the forward's output, rewritten by every replay
+
+
+@dataclass
+class StaticCounts:
+    replayed: int = 0  # steps a captured graph ran
+    static: int = 0  # static steps run eagerly (a CPU; a bucket not captured)
+
+
+class StaticStep:
+    """One runner's static decode and verification forwards (``ModelRunner.static``)."""
+
+    def __init__(
+        self, runner: Any, max_batch: int, max_context: int, widths: Sequence[int] = WIDTHS, graphs: bool = True
+    ) -> None:
+        """``runner``: a ``ModelRunner`` over a paged cache whose attention is the tree kernel (it reads
+        blocks through the table). Buckets: :func:`batch_sizes` of ``max_batch`` × ``widths``; the table
+        covers ``max_context`` positions plus the widest row. ``graphs``: capture them (CUDA only)."""
+        from specmesh_server.paged_kv import PagedKVCache
+
+        if not isinstance(runner.cache, PagedKVCache) or not runner.tree_kernel:
+            raise ValueError("a static step needs a paged cache read through the tree-attention kernel")
+        self.runner, self.cache = runner, runner.cache
+        self.batches = batch_sizes(max_batch)
+        self.widths = tuple(sorted(widths))
+        bs = self.cache.block_size
+        self.columns = -(-(max_context + self.widths[-1]) // bs)
+        self.graphs = graphs and runner.device.type == "cuda"
+        size = max(Layout(b, w, self.columns).size for b in self.batches for w in self.widths)
+        dev = runner.device
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._device = self._host if dev.type == "cpu" else torch.zeros(size, dtype=torch.long, device=dev)
+        # The attention mask transformers passes along: unused by the kernel (its metadata is the mask).
+        self._mask = torch.zeros(self.batches[-1], 1, self.widths[-1], 1, dtype=runner.dtype, device=dev)
+        self.captured: dict[tuple[int, int], Captured] = {}
+        self.counts = StaticCounts()
+        self._uploaded: Any = None  # a CUDA event after the last host→device copy
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    def bucket(self, batch: int, width: int) -> tuple[int, int] | None:
+        b, w = pick(self.batches, batch), pick(self.widths, width)
+        return None if b is None or w is None else (b, w)
+
+    def fits(self, batch: int, width: int) -> bool:
+        return self.bucket(batch, width) is not None
+
+    def replays(self, batch: int, width: int) -> bool:
+        """Whether such a step replays a captured graph (else it runs the static step eagerly, or not at all)."""
+        bucket = self.bucket(batch, width)
+        return bucket is not None and bucket in self.captured
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        pending: Sequence[int],
+        lengths: Sequence[int],
+        trees: Sequence[TokenTree],
+        tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Hidden states of the step's real tokens, row by row ([N, hidden]); the step must ``fit``."""
+        width = 1 + max(len(t) for t in trees)
+        bucket = self.bucket(len(pending), width)
+        if bucket is None:
+            raise ValueError(f"{len(pending)} rows × {width} tokens fit no bucket")
+        layout = Layout(*bucket, self.columns)
+        if self._uploaded is not None:  # the last step's copy has left the staging buffer (it has, after its
+            self._uploaded.synchronize()  # step's one device→host read; this guards callers that read none)
+        n = stage(
+            layout.views(self._host_np), pending, lengths, trees, tables, self.cache.block_size, self.cache.scratch
+        )
+        self._upload(layout)
+        captured = self.captured.get(bucket)
+        if captured is not None and captured.graph is not None:
+            captured.graph.replay()
+            self.counts.replayed += 1
+            hidden = captured.hidden
+        else:
+            hidden = self._forward(layout)
+            self.counts.static += 1
+        gather = layout.views(self._device).gather.reshape(-1)[:n]
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather)  # [N, hidden]
+
+    def _upload(self, layout: Layout) -> None:
+        """The one host→device copy of a step (none on a CPU: the staging buffer is the input)."""
+        if self._device is not self._host:
+            self._device[: layout.size].copy_(self._host[: layout.size], non_blocking=True)
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+
+    def _forward(self, layout: Layout) -> torch.Tensor:
+        """The forward over a bucket's device views: [B, W, hidden]. What a graph captures."""
+        from specmesh_kernels.tree_attention import TreeMeta
+        from specmesh_server.attention import META_KWARG
+
+        v = layout.views(self._device)
+        table = v.table.to(torch.int32)  # [B, C]
+        meta = TreeMeta(v.start.to(torch.int32), v.row_prefix.to(torch.int32), v.bits)
+        self.cache.begin_static(v.write_slots.reshape(-1), table)
+        out = self.runner.decoder(
+            input_ids=v.input_ids,
+            attention_mask=self._mask[: layout.batch, :, : layout.width],
+            position_ids=v.positions,
+            cache=self.cache,
+            use_cache=True,
+            **{META_KWARG: meta},
+        )
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket's forward as a CUDA graph, the largest first into one memory pool; each
+        after a warm-up run (Triton compiles, cuBLAS picks its kernels) over a step of padding only."""
+        if not self.graphs:
+            return
+        dev = self.runner.device
+        pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_reserved(dev)
+        side = torch.cuda.Stream(dev)
+        buckets = sorted(((b, w) for b in self.batches for w in self.widths), key=lambda bw: (-bw[0] * bw[1], bw))
+        for bucket in buckets:
+            layout = Layout(*bucket, self.columns)
+            stage(layout.views(self._host_np), [], [], [], [], self.cache.block_size, self.cache.scratch)
+            self._upload(layout)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self._forward(layout)  # warm-up
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._forward(layout)
+            self.captured[bucket] = Captured(graph, hidden)
+        torch.cuda.synchronize(dev)
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = torch.cuda.memory_reserved(dev) - before
+
+    def describe(self) -> str:
+        """The start-up line: the buckets, and (captured) their memory and capture time."""
+        what = (
+            f"CUDA graphs of {len(self.captured)} buckets captured in {self.capture_seconds:.1f} s, "
+            f"{self.capture_bytes / 2**20:.0f} MiB"
+            if self.captured
+            else "static step without graphs (eager)"
+        )
+        return (
+            f"{what}: batch {', '.join(map(str, self.batches))} × tokens per row {', '.join(map(str, self.widths))}; "
+            f"wider or larger steps run eagerly"
+        )
