@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BUNDLE_PYTHON = (3, 12)  # the GPU machine's: benchmarks/gpu_bundle.py downloads wheels for it
 SECTIONS = {  # name → (module, function, budget seconds on a GPU), in order of priority; --budget caps them all
     "environment": ("gpu_kit.environment", "environment_section", 15),
-    "tree_attention": ("gpu_kit.kernel_checks", "tree_attention_section", 45),
-    "acceptance": ("gpu_kit.kernel_checks", "acceptance_section", 45),
-    "graphs": ("gpu_kit.graphs", "graphs_section", 150),
+    "graphs": ("gpu_kit.graphs", "graphs_section", 120),
     "end_to_end": ("gpu_kit.end_to_end", "end_to_end_section", 110),
     "decode_step": ("gpu_kit.engine_profile", "decode_step_section", 30),
+    "tree_attention": ("gpu_kit.kernel_checks", "tree_attention_section", 45),
+    "acceptance": ("gpu_kit.kernel_checks", "acceptance_section", 45),
     "draft": ("gpu_kit.engine_profile", "draft_section", 15),
     "cost_curves": ("gpu_kit.numbers", "cost_section", 70),
     "attention_numbers": ("gpu_kit.numbers", "attention_section", 40),

@@ -242,8 +242,8 @@ class PagedKVCache:
         slots = (num_blocks + 1) * block_size
         # Keys and values of every layer in one tensor: a step's accepted nodes move in one copy.
         self._pools = zeros((2, num_layers, num_kv_heads, slots, head_dim), dtype, device)
-        self.keys = list(self._pools[0])  # [kv_heads, slots, dim] per layer, views
-        self.values = list(self._pools[1])
+        self.keys = [self._pools[0, i] for i in range(num_layers)]  # [kv_heads, slots, dim] per layer, views
+        self.values = [self._pools[1, i] for i in range(num_layers)]
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # flat, grown as needed
         self._write = self._read = torch.empty(0, dtype=torch.long, device=device)
         self._rows_len = (0, 0)  # (b, kv_len) of the current forward

@@ -192,6 +192,7 @@ class StaticStep:
         self.captured: dict[tuple[int, int], Captured] = {}
         self.counts = StaticCounts()
         self._uploaded: Any = None  # a CUDA event after the last host→device copy
+        self.failure: str | None = None  # why graphs were given up at start-up (static steps then run eagerly)
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -267,14 +268,29 @@ class StaticStep:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket's forward as a CUDA graph, the largest first into one memory pool; each
-        after a warm-up run (Triton compiles, cuBLAS picks its kernels) over a step of padding only."""
+        after a warm-up run (Triton compiles, cuBLAS picks its kernels) over a step of padding only. Then
+        replay a probe step against the same step run eagerly (``_probe``). A capture that fails, or a
+        replay that disagrees, leaves no graph: static steps then run eagerly, and ``failure`` says why."""
         if not self.graphs:
             return
         dev = self.runner.device
-        pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_reserved(dev)
+        try:
+            self._capture_all(dev)
+            self.failure = self._probe()
+        except Exception as exc:  # a forward that cannot be captured: served eagerly rather than not at all
+            self.failure = f"capture failed: {type(exc).__name__}: {exc}"[:500]
+        if self.failure is not None:
+            self.captured.clear()
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = torch.cuda.memory_reserved(dev) - before
+
+    def _capture_all(self, dev: torch.device) -> None:
+        pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
         buckets = sorted(((b, w) for b in self.batches for w in self.widths), key=lambda bw: (-bw[0] * bw[1], bw))
         for bucket in buckets:
@@ -290,17 +306,37 @@ class StaticStep:
                 hidden = self._forward(layout)
             self.captured[bucket] = Captured(graph, hidden)
         torch.cuda.synchronize(dev)
-        self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = torch.cuda.memory_reserved(dev) - before
+
+    @torch.inference_mode()
+    def _probe(self) -> str | None:
+        """Replay single-row buckets on a chain of tokens written into the scratch block (position 0 on)
+        and compare each with the same step run eagerly; why they disagree, or None."""
+        bs, scratch = self.cache.block_size, self.cache.scratch
+        for width in (w for w in self.widths if w <= bs):
+            layout = Layout(1, width, self.columns)
+            chain = TokenTree(list(range(4, 3 + width)), list(range(-1, width - 2)))
+            stage(layout.views(self._host_np), [3], [0], [chain], [[scratch]], bs, scratch)
+            self._upload(layout)
+            want = self._forward(layout).float()  # [1, W, hidden]
+            captured = self.captured[(1, width)]
+            captured.graph.replay()
+            got = captured.hidden.float()
+            if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max().clamp(min=1.0))):
+                err = float((got - want).abs().max())
+                return f"a replayed graph disagreed with the eager step (1 × {width} tokens, max error {err:.3g})"
+        return None
 
     def describe(self) -> str:
         """The start-up line: the buckets, and (captured) their memory and capture time."""
-        what = (
-            f"CUDA graphs of {len(self.captured)} buckets captured in {self.capture_seconds:.1f} s, "
-            f"{self.capture_bytes / 2**20:.0f} MiB"
-            if self.captured
-            else "static step without graphs (eager)"
-        )
+        if self.captured:
+            what = (
+                f"CUDA graphs of {len(self.captured)} buckets captured in {self.capture_seconds:.1f} s, "
+                f"{self.capture_bytes / 2**20:.0f} MiB"
+            )
+        elif self.failure is not None:
+            what = f"no CUDA graphs ({self.failure}): static steps run eagerly"
+        else:
+            what = "static step without graphs (eager)"
         return (
             f"{what}: batch {', '.join(map(str, self.batches))} × tokens per row {', '.join(map(str, self.widths))}; "
             f"wider or larger steps run eagerly"

@@ -43,20 +43,25 @@ def test_the_dry_run_runs_every_section_without_specmesh_installed(tmp_path):
     report = json.loads((tmp_path / "out" / "gpu-report.json").read_text())
     status = {s["name"]: s["status"] for s in report["sections"]}
     assert status == dict.fromkeys(
-        ["environment", "tree_attention", "acceptance", "end_to_end", "decode_step", "draft", "attention_numbers",
-         "cost_curves", "gpu_tests"], "ok"
+        ["environment", "tree_attention", "acceptance", "graphs", "end_to_end", "decode_step", "draft",
+         "attention_numbers", "cost_curves", "gpu_tests"], "ok"
     ), status  # fmt: skip
     for key in ("device", "torch", "triton", "driver", "copy bandwidth"):
         assert key in report["header"]
     e2e = next(s for s in report["sections"] if s["name"] == "end_to_end")
     rows = e2e["tables"][0]["rows"]  # dtype, kernels, proposer, concurrent, requests, exact, near-tie, mismatch, …
     assert {(r[1], r[2], r[3]) for r in rows} >= {
-        (k, p, c) for k in ("on", "off") for p in ("ngram", "oracle") for c in (1, 8)
+        (k, p, c) for k in ("graphs", "on", "off") for p in ("ngram", "oracle") for c in (1, 8)
     }
     assert all(r[5] == r[4] for r in rows), rows  # fp32 on a CPU: every output exactly generate()'s
     assert any("tree attention triton" in n for n in e2e["notes"]), e2e["notes"]  # the kernels really ran
     md = (tmp_path / "out" / "gpu-report.md").read_text()
     assert "## cost_curves: ok" in md and "oracle ceiling" in md
+    graphs = next(s for s in report["sections"] if s["name"] == "graphs")
+    titles = [t["title"] for t in graphs["tables"]]
+    assert any("ms per decode step" in t for t in titles) and any("projected speed-up" in t for t in titles)
+    equality = next(t for t in graphs["tables"] if t["title"].startswith("greedy equality"))
+    assert [(r[0], r[2]) for r in equality["rows"]] == [("static step (eager)", 2), ("eager step", 2)]
 
 
 def test_a_section_that_raises_fails_alone_and_a_spent_budget_skips(tmp_path):

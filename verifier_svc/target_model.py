@@ -130,7 +130,12 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
     from specmesh_server.model_runner import measure_step_cost
 
     # A kernel the flags force must run here: refused now, before the model loads (and imports triton).
-    check_kernel_device(config.attention, config.engine.device_accept, pick_device(config.device))
+    device = pick_device(config.device)
+    check_kernel_device(config.attention, config.engine.device_accept, device)
+    kernel = ATTENTION[config.attention]  # --cuda-graphs on where no static step can run: refused now too
+    static_steps(
+        config.cuda_graphs, device.type == "cuda" if kernel is None else kernel, device, config.tensor_parallel_size
+    )
     t0 = time.perf_counter()
     group = None
     ranks = None
@@ -143,13 +148,6 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
         group = Group(Leader(ranks, watch=watch_spawned(procs)), procs)
     lm, shard = _load(config, where, ranks)
     check_kernel_model(config.attention, lm.model.config)
-    kernel = ATTENTION[config.attention]  # --cuda-graphs on without the kernel: refused before the runner is built
-    static_steps(
-        config.cuda_graphs,
-        lm.device.type == "cuda" if kernel is None else kernel,
-        lm.device,
-        config.tensor_parallel_size,
-    )
     max_context = _max_context(config, lm)
     print(
         f"verifier: model {lm.name} from {lm.path} on {lm.device} ({lm.dtype}) in {time.perf_counter() - t0:.1f} s",

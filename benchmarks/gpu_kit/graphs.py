@@ -19,6 +19,7 @@ on and off, each against ``generate()``. On a CPU (the dry run) the same code ru
 from __future__ import annotations
 
 import functools
+import json
 import statistics
 import time
 from typing import Any
@@ -29,6 +30,7 @@ from gpu_kit.report import Deadline, Section
 
 CASES = ((1, 1), (8, 1), (32, 1), (1, 17), (8, 17), (32, 17))  # (batch, tokens per row)
 CONTEXT = 512
+BENCH_SUMMARY = "docs/bench/issue46-tp1/summary.json"  # the latest CPU bench: tokens per step per category
 
 
 def build(shape: dict[str, Any], ctx: CheckContext, dtype: torch.dtype, max_batch: int, graphs: bool) -> Any:
@@ -115,58 +117,94 @@ def timed(fn: Any, reps: int) -> float:
 
 
 def graphs_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
-    from gpu_kit.numbers import copy_bandwidth
-
-    dtype = torch.bfloat16 if ctx.cuda else torch.float32
-    cases = CASES if ctx.cuda else ((1, 1), (2, 3))
-    context = CONTEXT if ctx.cuda else 16
-    bandwidth = copy_bandwidth(ctx.device)
     shapes = list(ctx.shapes().items())
     for done, (name, shape) in enumerate(shapes):
         if deadline.left() < (70 if shape["hidden_size"] >= 4096 else 15):
             sec.budget_spent(done, len(shapes))
             break
-        runner, seconds = build(shape, ctx, dtype, max(b for b, _ in cases), graphs=True)
-        static = runner.static
-        sec.notes.append(f"{name}: {static.describe()} (built and captured in {seconds:.1f} s)")
-        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        floor_ms = 1e3 * weights / bandwidth
-        t = sec.table(
-            f"{name} ({str(dtype).removeprefix('torch.')}): ms per decode step after {context} cached tokens "
-            f"(weight-read floor {floor_ms:.3g} ms)",
-            ["batch", "tokens per row", "eager ms", "graph ms", "speed-up", "graph / plain step"],
-        )
-        plain: dict[int, float] = {}
-        for batch, width in cases:
-            if deadline.left() < 5:
-                sec.notes.append(f"{name}: step table cut short: budget spent")
-                break
-            rows = Rows(runner, batch, context, 80)
-            trees = [tree_of(width - 1, runner.vocab_size, i) for i in range(batch)]
-            pending = [5] * batch
-            runs = {
-                label: functools.partial(step, runner, rows, pending, trees, static=label == "graph")
-                for label in ("eager", "graph")
-            }
-            ms = {label: timed(fn, 20 if ctx.cuda else 2) for label, fn in runs.items()}
-            if width == 1:
-                plain[batch] = ms["graph"]
-            ratio = ms["graph"] / plain[batch] if batch in plain else None
-            t.rows.append([batch, width, ms["eager"], ms["graph"], ms["eager"] / ms["graph"], ratio])
-            if (batch, width) == (8, 17) and ctx.cuda:
-                for label, fn in runs.items():
-                    profile_step(sec, name, fn, label)
-            rows.close()
-        sec.summary += f"{'; ' if sec.summary else ''}{name}: " + ", ".join(
-            f"b{r[0]}×{r[1]} {r[3]:.3g} ms ({r[4]:.1f}x)" for r in t.rows
-        )
-        if 1 in plain:
-            sec.notes.append(f"{name}: plain step at batch 1 is {plain[1] / floor_ms:.2f}x the weight-read floor")
-        del runner, static
-        if ctx.cuda:
-            torch.cuda.empty_cache()
-    if not deadline.spent():
-        equality(ctx, sec, deadline)
+        step_table(ctx, sec, deadline, name, shape, projected=done == 0)
+        if done == 0 and deadline.left() > 10:  # correctness before the larger shape's numbers
+            equality(ctx, sec, deadline)
+
+
+def step_table(
+    ctx: CheckContext, sec: Section, deadline: Deadline, name: str, shape: dict[str, Any], projected: bool
+) -> None:
+    """One shape's step table (and profiles, and for the default target the projection)."""
+    from gpu_kit.numbers import copy_bandwidth
+
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    cases = CASES if ctx.cuda else ((1, 1), (2, 1), (1, 3), (2, 3))
+    context = CONTEXT if ctx.cuda else 16
+    runner, seconds = build(shape, ctx, dtype, max(b for b, _ in cases), graphs=True)
+    sec.notes.append(f"{name}: {runner.static.describe()} (built and captured in {seconds:.1f} s)")
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    floor_ms = 1e3 * weights / copy_bandwidth(ctx.device)
+    t = sec.table(
+        f"{name} ({str(dtype).removeprefix('torch.')}): ms per decode step after {context} cached tokens "
+        f"(weight-read floor {floor_ms:.3g} ms)",
+        ["batch", "tokens per row", "eager ms", "graph ms", "speed-up", "graph / plain step"],
+    )
+    plain: dict[int, float] = {}
+    for batch, width in cases:
+        if deadline.left() < 5:
+            sec.notes.append(f"{name}: step table cut short: budget spent")
+            break
+        rows = Rows(runner, batch, context, 80)
+        trees = [tree_of(width - 1, runner.vocab_size, i) for i in range(batch)]
+        pending = [5] * batch
+        runs = {
+            label: functools.partial(step, runner, rows, pending, trees, static=label == "graph")
+            for label in ("eager", "graph")
+        }
+        ms = {label: timed(fn, 20 if ctx.cuda else 2) for label, fn in runs.items()}
+        if width == 1:
+            plain[batch] = ms["graph"]
+        ratio = ms["graph"] / plain[batch] if batch in plain else None
+        t.rows.append([batch, width, ms["eager"], ms["graph"], ms["eager"] / ms["graph"], ratio])
+        if (batch, width) == (8, 17) and ctx.cuda:
+            for label, fn in runs.items():
+                profile_step(sec, name, fn, label)
+        rows.close()
+    sec.summary += f"{'; ' if sec.summary else ''}{name}: " + ", ".join(
+        f"b{r[0]}×{r[1]} {r[3]:.3g} ms ({r[4]:.1f}x)" for r in t.rows
+    )
+    if 1 in plain:
+        sec.notes.append(f"{name}: plain step at batch 1 is {plain[1] / floor_ms:.2f}x the weight-read floor")
+    if projected:  # the default target's shape: what its proposers' CPU acceptance would buy here
+        projection(ctx, sec, name, {(r[0], r[1]): r[3] for r in t.rows})
+    del runner
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+
+
+def projection(ctx: CheckContext, sec: Section, name: str, graph_ms: dict[tuple[int, int], float]) -> None:
+    """Projected speed-up per category and proposer: the tokens per step ``specmesh bench`` measured on the
+    CPU (``BENCH_SUMMARY``, greedy) over this device's cost of a tree step against a plain one, at the
+    widest tree measured, at 1 stream (batch 1) and 8 (the largest batch measured, up to 8)."""
+    path = ctx.root / BENCH_SUMMARY
+    if not path.is_file():
+        sec.notes.append(f"projection skipped: no {BENCH_SUMMARY}")
+        return
+    rows = [r for r in json.loads(path.read_text()) if r["sampling"] == "greedy" and r["mode"] != "plain"]
+    width = max(w for _, w in graph_ms)
+    batches = {1: 1, 8: max((b for b, _ in graph_ms if b <= 8), default=1)}
+    ratio = {c: graph_ms[(b, width)] / graph_ms[(b, 1)] for c, b in batches.items() if (b, width) in graph_ms}
+    modes = sorted({r["mode"] for r in rows})
+    costs = ", ".join(f"{c} stream(s) {v:.2f}x" for c, v in ratio.items())
+    t = sec.table(
+        f"{name}: projected speed-up per category (CPU tokens/step ÷ this device's {width}-token step cost over a "
+        f"plain step: {costs}; {BENCH_SUMMARY})",
+        ["category", *(f"{m}, {c} stream(s)" for m in modes for c in ratio)],
+    )
+    for category in sorted({r["category"] for r in rows}):
+        cells = []
+        for mode in modes:
+            for c, cost in ratio.items():
+                r = next((r for r in rows if (r["category"], r["mode"], r["concurrency"]) == (category, mode, c)), None)
+                tokens = r["mean_accepted_length"] if r else None
+                cells.append(f"{tokens:.2f} → {tokens / cost:.2f}x" if tokens else None)
+        t.rows.append([category, *cells])
 
 
 def profile_step(sec: Section, name: str, fn: Any, label: str, steps: int = 10) -> None:

@@ -39,6 +39,9 @@ def test_metrics_endpoint_serves_the_counters_fed_by_events():
     verifier.request_finished("rejected")
     verifier.tokens(17)
     verifier.step("decode", 0.07, tokens=9, rows=3)
+    verifier.step("decode", 0.01, tokens=8, rows=1, path="graph")
+    verifier.step("decode", 0.01, tokens=8, rows=1, path="graph")
+    verifier.step("decode", 0.02, tokens=70, rows=1, path="eager")
     verifier.queued(0.01)
     verifier.first_token(0.2)
     verifier.tokens(2, gap_s=0.05)
@@ -75,7 +78,9 @@ def test_metrics_endpoint_serves_the_counters_fed_by_events():
     assert sample(text, "specmesh_generated_tokens_total", model="m") == 19
     assert sample(text, "specmesh_prompt_tokens_total", model="m") == 80
     assert sample(text, "specmesh_step_seconds_count", phase="decode", batch="3-4", model="m") == 1
-    assert sample(text, "specmesh_step_tokens_total", phase="decode", model="m") == 9
+    assert sample(text, "specmesh_step_tokens_total", phase="decode", model="m") == 95
+    assert sample(text, "specmesh_decode_steps_total", path="graph", model="m") == 2  # replayed CUDA graphs
+    assert sample(text, "specmesh_decode_steps_total", path="eager", model="m") == 1
     # latency histograms: TTFT from both paths, one inter-chunk gap (the first chunk has none)
     assert sample(text, "specmesh_time_to_first_token_seconds_count", model="m") == 2
     assert sample(text, "specmesh_inter_token_latency_seconds_count", model="m") == 1

@@ -257,3 +257,31 @@ def test_the_engines_greedy_output_is_generates_with_static_steps_on_and_off(tin
         if static:
             assert runner.static.counts.static > 0 and eng.stats.steps > runner.static.counts.static  # some eager
     assert outputs[True] == outputs[False] == want
+
+
+class FakeGraph:
+    """Stands in for a captured CUDA graph on the CPU: ``replay`` reruns the bucket's forward into the
+    graph's output (a faithful graph) or leaves it as it was (a graph replaying stale buffers)."""
+
+    def __init__(self, static, layout, faithful: bool) -> None:
+        self.static, self.layout, self.faithful = static, layout, faithful
+        self.hidden = torch.zeros(layout.batch, layout.width, 48)
+
+    def replay(self) -> None:
+        if self.faithful:
+            self.hidden.copy_(self.static._forward(self.layout))
+
+
+@pytest.mark.parametrize("faithful", [True, False], ids=["faithful", "stale"])
+def test_the_start_up_probe_keeps_graphs_only_where_a_replay_equals_the_eager_step(tiny_llama, faithful):
+    from specmesh_server.static_step import Captured, Layout
+
+    runner, _ = _prefilled(tiny_llama)
+    static = runner.use_static(4, 64, graphs=False)
+    for w in static.widths:
+        graph = FakeGraph(static, Layout(1, w, static.columns), faithful)
+        static.captured[(1, w)] = Captured(graph, graph.hidden)
+    failure = static._probe()
+    assert (failure is None) == faithful, failure
+    if not faithful:
+        assert "disagreed with the eager step" in failure

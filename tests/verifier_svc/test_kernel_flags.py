@@ -122,3 +122,39 @@ def test_the_verifier_refuses_before_loading_the_model_with_one_line(monkeypatch
         server.main(["--attention", "triton", "--device", "cpu"])
     assert str(exit_.value.code).startswith("specmesh serve verifier: --attention triton: ")
     assert "\n" not in str(exit_.value.code)
+
+
+def test_cuda_graphs_flag_parses_defaults_from_its_variable_and_shows_in_help(monkeypatch):
+    monkeypatch.delenv("SPECMESH_CUDA_GRAPHS", raising=False)
+    assert parse_args([]).cuda_graphs == VerifierConfig().cuda_graphs == "auto"
+    assert parse_args(["--cuda-graphs", "off"]).cuda_graphs == "off"
+    monkeypatch.setenv("SPECMESH_CUDA_GRAPHS", "on")
+    assert parse_args([]).cuda_graphs == "on" and parse_args(["--cuda-graphs", "auto"]).cuda_graphs == "auto"
+    monkeypatch.delenv("SPECMESH_CUDA_GRAPHS")
+    text = " ".join(build_flags().parser.format_help().split())
+    assert "--cuda-graphs {auto,on,off}" in text and "[env SPECMESH_CUDA_GRAPHS] (default: auto)" in text
+
+
+def test_static_steps_run_where_the_tree_kernel_reads_the_blocks_and_on_asks_only_for_what_can_run():
+    from verifier_svc.kernel_paths import static_steps
+
+    cuda = torch.device("cuda")
+    assert static_steps("auto", True, cuda, 1) and not static_steps("auto", False, cuda, 1)
+    assert not static_steps("auto", True, CPU, 1) and not static_steps("auto", True, cuda, 2)
+    assert static_steps("on", True, CPU, 1) and not static_steps("off", True, cuda, 1)
+    with pytest.raises(KernelUnavailable, match=r"^--cuda-graphs on: .*--attention triton"):
+        static_steps("on", False, cuda, 1)
+    with pytest.raises(KernelUnavailable, match=r"^--cuda-graphs on: .*--tensor-parallel-size 1"):
+        static_steps("on", True, cuda, 2)
+
+
+@pytest.mark.usefixtures("no_kernel_env")
+def test_cuda_graphs_on_without_the_tree_kernel_is_refused_before_the_model_loads(monkeypatch):
+    from specmesh_server import model_loading
+
+    monkeypatch.delenv("SPECMESH_CUDA_GRAPHS", raising=False)
+    monkeypatch.setattr(model_loading, "load_model", lambda *a: pytest.fail("loaded the model before the check"))
+    with pytest.raises(SystemExit) as exit_:
+        server.main(["--cuda-graphs", "on", "--attention", "sdpa", "--device", "cpu"])
+    assert str(exit_.value.code).startswith("specmesh serve verifier: --cuda-graphs on: ")
+    assert "\n" not in str(exit_.value.code)
