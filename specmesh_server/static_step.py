@@ -122,6 +122,8 @@ def stage(
     from specmesh_kernels.tree_attention import ancestor_bits
 
     rows, width = views.input_ids.shape
+    if len(pending) > rows:
+        raise ValueError(f"{len(pending)} rows staged into a bucket of {rows}")
     cols = np.arange(width)
     scratch_slots = scratch * block_size + cols % block_size  # [W]
     views.input_ids[:] = 0
@@ -135,7 +137,7 @@ def stage(
     n_real = 0
     for i, (tok, length, tree, blocks) in enumerate(zip(pending, lengths, trees, tables, strict=True)):
         n = len(tree) + 1
-        table = np.asarray(blocks, dtype=np.int64)
+        table = np.asarray(blocks[: views.table.shape[1]], dtype=np.int64)  # the blocks up to the capacity
         views.table[i, : table.size] = table
         views.input_ids[i, :n] = [tok, *tree.tokens]
         views.positions[i, :n] = length + np.asarray([0, *depths(tree.parents)])
@@ -146,14 +148,12 @@ def stage(
         views.start[i] = length
         gather[n_real : n_real + n] = i * width + cols[:n]
         n_real += n
-    if len(pending) > rows:
-        raise ValueError(f"{len(pending)} rows staged into a bucket of {rows}")
     return n_real
 
 
 @dataclass(frozen=True)
 class Captured:
-    graph: Any  # torch.cuda.CUDAGraph, or None where the bucket runs eagerly
+    graph: Any  # torch.cuda.CUDAGraph
     hidden: torch.Tensor  # [B, W, hidden]: the forward's output, rewritten by every replay
 
 
@@ -229,7 +229,7 @@ class StaticStep:
         )
         self._upload(layout)
         captured = self.captured.get(bucket)
-        if captured is not None and captured.graph is not None:
+        if captured is not None:
             captured.graph.replay()
             self.counts.replayed += 1
             hidden = captured.hidden
