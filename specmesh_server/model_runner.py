@@ -315,7 +315,7 @@ def _timed_forward(runner: ModelRunner, where: Any, ids: torch.Tensor, at: int, 
     pos = torch.arange(at, at + width, device=dev)[None].expand(rows, width)
     mask = causal_mask(pos, at + width)
     static = runner.static if isinstance(where, PagedRows) and runner.static is not None else None
-    if static is not None and static.fits(rows, width):  # as the engine runs it: the static step (a graph)
+    if static is not None and static.fits(rows, width, at):  # as the engine runs it: the static step (a graph)
         host = ids[:, at : at + width].tolist()
         chain = [TokenTree(r[1:], list(range(-1, width - 2))) for r in host]
         tables = [runner.cache.own_blocks(b) for b in where.blocks[:rows]]
@@ -324,7 +324,7 @@ def _timed_forward(runner: ModelRunner, where: Any, ids: torch.Tensor, at: int, 
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if static is not None and static.fits(rows, width):
+        if static is not None and static.fits(rows, width, at):
             runner.logits(static.forward([r[0] for r in host], [at] * rows, chain, tables))
         else:
             runner.logits(runner.forward(_first(where, rows), ids[:, at : at + width], pos, mask))

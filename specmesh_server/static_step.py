@@ -196,16 +196,20 @@ class StaticStep:
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
-    def bucket(self, batch: int, width: int) -> tuple[int, int] | None:
+    def bucket(self, batch: int, width: int, longest: int = 0) -> tuple[int, int] | None:
+        """The bucket of a step of ``batch`` rows × ``width`` tokens whose longest row has ``longest`` cached
+        positions, or None (more rows or tokens than any bucket, or past the table's capacity)."""
         b, w = pick(self.batches, batch), pick(self.widths, width)
-        return None if b is None or w is None else (b, w)
+        if b is None or w is None or longest + w > self.columns * self.cache.block_size:
+            return None
+        return b, w
 
-    def fits(self, batch: int, width: int) -> bool:
-        return self.bucket(batch, width) is not None
+    def fits(self, batch: int, width: int, longest: int = 0) -> bool:
+        return self.bucket(batch, width, longest) is not None
 
-    def replays(self, batch: int, width: int) -> bool:
+    def replays(self, batch: int, width: int, longest: int = 0) -> bool:
         """Whether such a step replays a captured graph (else it runs the static step eagerly, or not at all)."""
-        bucket = self.bucket(batch, width)
+        bucket = self.bucket(batch, width, longest)
         return bucket is not None and bucket in self.captured
 
     @torch.inference_mode()
@@ -218,9 +222,9 @@ class StaticStep:
     ) -> torch.Tensor:
         """Hidden states of the step's real tokens, row by row ([N, hidden]); the step must ``fit``."""
         width = 1 + max(len(t) for t in trees)
-        bucket = self.bucket(len(pending), width)
+        bucket = self.bucket(len(pending), width, max(lengths))
         if bucket is None:
-            raise ValueError(f"{len(pending)} rows × {width} tokens fit no bucket")
+            raise ValueError(f"{len(pending)} rows × {width} tokens after {max(lengths)} fit no bucket")
         layout = Layout(*bucket, self.columns)
         if self._uploaded is not None:  # the last step's copy has left the staging buffer (it has, after its
             self._uploaded.synchronize()  # step's one device→host read; this guards callers that read none)

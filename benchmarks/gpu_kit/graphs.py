@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import time
 from typing import Any
 
@@ -105,17 +104,6 @@ def tree_of(nodes: int, vocab: int, seed: int) -> Any:
     )
 
 
-def timed(fn: Any, reps: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def graphs_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> None:
     shapes = list(ctx.shapes().items())
     for done, (name, shape) in enumerate(shapes):
@@ -131,7 +119,7 @@ def step_table(
     ctx: CheckContext, sec: Section, deadline: Deadline, name: str, shape: dict[str, Any], projected: bool
 ) -> None:
     """One shape's step table (and profiles, and for the default target the projection)."""
-    from gpu_kit.numbers import copy_bandwidth
+    from gpu_kit.numbers import copy_bandwidth, wall_ms
 
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     cases = CASES if ctx.cuda else ((1, 1), (2, 1), (1, 3), (2, 3))
@@ -157,7 +145,7 @@ def step_table(
             label: functools.partial(step, runner, rows, pending, trees, static=label == "graph")
             for label in ("eager", "graph")
         }
-        ms = {label: timed(fn, 20 if ctx.cuda else 2) for label, fn in runs.items()}
+        ms = {label: wall_ms(fn, 20 if ctx.cuda else 2, warmup=2) for label, fn in runs.items()}
         if width == 1:
             plain[batch] = ms["graph"]
         ratio = ms["graph"] / plain[batch] if batch in plain else None

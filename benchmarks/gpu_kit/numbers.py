@@ -45,7 +45,14 @@ def timed_ms(ctx: CheckContext, fn: Callable[[], Any], reps: int = 5) -> float:
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=10, rep=40))
-    fn()
+    return wall_ms(fn, reps)
+
+
+def wall_ms(fn: Callable[[], Any], reps: int = 3, warmup: int = 1) -> float:
+    """Median wall-clock milliseconds of ``reps`` calls of ``fn`` after ``warmup`` (whole steps or decodes,
+    each ending on the host: what do_bench's device timing would not see)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -200,15 +207,6 @@ def plain_vs_generate(ctx: CheckContext, sec: Section, name: str, model: Any, ru
     def generate(steps: int) -> None:
         model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=2)
         ctx.sync()
-
-    def wall_ms(fn: Callable[[], Any]) -> float:  # whole decodes: seconds each on an 8B model, no do_bench
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
 
     per_token = {}
     for label, fn in (("runner (plain decode)", runner_decode), ("generate()", generate)):

@@ -13,10 +13,11 @@ from gpu_kit.context import CheckContext
 from gpu_kit.report import Deadline, Section
 
 # What runs on a GPU host without the real weights: the kernel tests (the CUDA sweeps; their interpreter
-# siblings skip there), the flag checks and the host acceptance walk.
+# siblings skip there), the flag checks, the host acceptance walk and the static step's CUDA-graph replay.
 GPU_TESTS = (
     "tests/kernels/test_tree_attention.py", "tests/kernels/test_tree_accept.py",
     "tests/verifier_svc/test_kernel_flags.py", "tests/verifier_svc/test_acceptance.py",
+    "tests/specmesh_server/test_static_step.py",
 )  # fmt: skip
 QUICK_TESTS = ("tests/kernels/test_tree_attention.py", "tests/verifier_svc/test_kernel_flags.py")
 

@@ -32,25 +32,26 @@ def tiny_llama():
     return support.tiny_llama()
 
 
-def _prefilled(model) -> tuple[ModelRunner, list[BlockTable]]:
-    runner = ModelRunner(copy.deepcopy(model), CPU, torch.float32, 256, tree_kernel=True, block_size=BS,
-                         kv_budget_bytes=2**20)  # fmt: skip
+def _prefilled(model, device: torch.device = CPU) -> tuple[ModelRunner, list[BlockTable]]:
+    runner = ModelRunner(copy.deepcopy(model).to(device), device, torch.float32, 256, tree_kernel=True,
+                         block_size=BS, kv_budget_bytes=2**20)  # fmt: skip
     tables = []
     for prompt, tree in zip(PROMPTS, TREES, strict=True):
         tables.append(BlockTable(b""))
         runner.cache.manager.grow(tables[-1], len(prompt) + 1 + len(tree))
-    first = prefill_inputs(PROMPTS, [0] * len(PROMPTS), CPU)
+    first = prefill_inputs(PROMPTS, [0] * len(PROMPTS), device)
     runner.forward(runner.cache.rows(tables, max(map(len, PROMPTS))), first.input_ids, first.positions, first.mask)
     return runner, tables
 
 
 def _eager(runner: ModelRunner, tables, pending, lengths, trees) -> torch.Tensor:
-    step = decode_inputs(pending, lengths, trees, CPU)
+    dev = runner.device
+    step = decode_inputs(pending, lengths, trees, dev)
     width = step.input_ids.shape[1]
-    meta = tree_meta_from_trees([t.parents for t in trees], lengths, width, CPU)
+    meta = tree_meta_from_trees([t.parents for t in trees], lengths, width, dev)
     rows = runner.cache.rows(tables, max(lengths) + width)
     hidden = runner.forward(rows, step.input_ids, step.positions, step.mask, step.write_pos, tree_meta=meta)
-    return hidden[unpadded([len(t) + 1 for t in trees], CPU)]
+    return hidden[unpadded([len(t) + 1 for t in trees], dev)]
 
 
 def _two_steps(runner: ModelRunner, tables, static: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,8 +158,9 @@ def test_a_step_no_bucket_holds_runs_eagerly(tiny_llama):
     static = runner.use_static(4, 64, graphs=False)
     assert static.batches == (1, 2, 4) and static.widths[-1] == 64
     assert static.fits(4, 64) and not static.fits(5, 1) and not static.fits(1, 65)
+    assert static.fits(1, 1, longest=static.columns * BS - 1) and not static.fits(1, 2, longest=static.columns * BS - 1)
     assert not static.replays(4, 64)  # nothing captured on a CPU
-    with pytest.raises(ValueError, match="fit no bucket"):
+    with pytest.raises(ValueError, match="fit no bucket"):  # more rows than any bucket
         static.forward([1] * 5, [3] * 5, [TokenTree([], [])] * 5, [[0]] * 5)
 
 
@@ -285,3 +287,21 @@ def test_the_start_up_probe_keeps_graphs_only_where_a_replay_equals_the_eager_st
     assert (failure is None) == faithful, failure
     if not faithful:
         assert "disagreed with the eager step" in failure
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs (the CPU tests above cover the static step)"
+)
+def test_on_cuda_replayed_graphs_give_the_eager_steps_states_and_cache():
+    """The same two steps as on the CPU, replayed as captured CUDA graphs (``make gpu-check``'s suite)."""
+    cuda = torch.device("cuda")
+    model = support.tiny_llama()
+    eager_runner, eager_tables = _prefilled(model, cuda)
+    graph_runner, graph_tables = _prefilled(model, cuda)
+    static = graph_runner.use_static(max_batch=4, max_context=64, graphs=True)
+    assert static.failure is None and (4, 9) in static.captured, static.describe()
+    want = _two_steps(eager_runner, eager_tables, static=False)
+    got = _two_steps(graph_runner, graph_tables, static=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert static.counts.replayed == 2 and static.counts.static == 0
