@@ -124,8 +124,8 @@ class ModelRunner:
         self.static: StaticStep | None = None  # decode and verification steps in static buffers (``use_static``)
 
     def use_static(self, max_batch: int, max_context: int, graphs: bool) -> StaticStep:
-        """Run decode and verification steps that fit its buckets as static steps (``static_step``), as
-        CUDA graphs where ``graphs`` and on CUDA (captured here), eagerly elsewhere."""
+        """Run decode and verification steps as static steps (``static_step``): on CUDA those its captured
+        CUDA graphs hold (captured here, where ``graphs``), on a CPU every one that fits a bucket, eagerly."""
         self.static = StaticStep(self, max_batch, max_context, graphs=graphs)
         self.static.capture()
         return self.static
@@ -315,7 +315,7 @@ def _timed_forward(runner: ModelRunner, where: Any, ids: torch.Tensor, at: int, 
     pos = torch.arange(at, at + width, device=dev)[None].expand(rows, width)
     mask = causal_mask(pos, at + width)
     static = runner.static if isinstance(where, PagedRows) and runner.static is not None else None
-    if static is not None and static.fits(rows, width, at):  # as the engine runs it: the static step (a graph)
+    if static is not None and static.serves(rows, width, at):  # as the engine runs it: the static step (a graph)
         host = ids[:, at : at + width].tolist()
         chain = [TokenTree(r[1:], list(range(-1, width - 2))) for r in host]
         tables = [runner.cache.own_blocks(b) for b in where.blocks[:rows]]
@@ -324,7 +324,7 @@ def _timed_forward(runner: ModelRunner, where: Any, ids: torch.Tensor, at: int, 
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if static is not None and static.fits(rows, width, at):
+        if static is not None and static.serves(rows, width, at):
             runner.logits(static.forward([r[0] for r in host], [at] * rows, chain, tables))
         else:
             runner.logits(runner.forward(_first(where, rows), ids[:, at : at + width], pos, mask))

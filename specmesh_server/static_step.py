@@ -17,12 +17,15 @@ row spreads its own keys over it (``row_chunks``), and its mask is the kernel's 
 row_prefix, ancestor bits). Padding rows and columns write into the cache's scratch block, and no real
 query reads them (their bits are 0; a padding query sees key 0 only, so no softmax row is empty).
 
-On a CPU the same code runs eagerly: its tested form (``--cuda-graphs on``). Graphs are captured largest
-bucket first into one memory pool, as vLLM and SGLang do; a step that fits no bucket runs the eager path.
+On CUDA every bucket of at most ``MAX_GRAPH_TOKENS`` tokens is captured at start-up, the largest first into
+one memory pool, as vLLM and SGLang do, and a step runs static only as a replayed graph: any other step
+(no bucket holds it, or capture failed) runs the eager path, which pads nothing. On a CPU the same code
+runs eagerly for every step that fits a bucket: its tested form (``--cuda-graphs on``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ import torch
 from specmesh_server.tree import TokenTree, depths
 
 WIDTHS = (1, 2, 3, 5, 9, 17, 33, 64)  # tokens per row: the pending token and 0, 1, 2, 4, 8, 16, 32, 63 nodes
+MAX_GRAPH_TOKENS = 2048  # buckets of more tokens (batch × width) are not captured: such steps run eagerly
 FIELDS = ("input_ids", "positions", "write_slots", "row_prefix", "bits", "gather")  # [B, W] each
 
 
@@ -171,7 +175,9 @@ class StaticStep:
     ) -> None:
         """``runner``: a ``ModelRunner`` over a paged cache whose attention is the tree kernel (it reads
         blocks through the table). Buckets: :func:`batch_sizes` of ``max_batch`` × ``widths``; the table
-        covers ``max_context`` positions plus the widest row. ``graphs``: capture them (CUDA only)."""
+        covers ``max_context`` positions plus the widest row. ``graphs``: capture them (CUDA only; there a
+        step runs static only as a replayed graph). On a CPU every step that fits runs static, eagerly."""
+        from specmesh_server.model_loading import text_config
         from specmesh_server.paged_kv import PagedKVCache
 
         if not isinstance(runner.cache, PagedKVCache) or not runner.tree_kernel:
@@ -181,18 +187,20 @@ class StaticStep:
         self.widths = tuple(sorted(widths))
         bs = self.cache.block_size
         self.columns = -(-(max_context + self.widths[-1]) // bs)
-        self.graphs = graphs and runner.device.type == "cuda"
-        size = max(Layout(b, w, self.columns).size for b in self.batches for w in self.widths)
         dev = runner.device
-        self._host = torch.zeros(size, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.cuda = dev.type == "cuda"
+        self.graphs = graphs and self.cuda
+        size = max(Layout(b, w, self.columns).size for b in self.batches for w in self.widths)
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=self.cuda)
         self._host_np = self._host.numpy()
-        self._device = self._host if dev.type == "cpu" else torch.zeros(size, dtype=torch.long, device=dev)
+        self._device = torch.zeros(size, dtype=torch.long, device=dev) if self.cuda else self._host
         # The attention mask transformers passes along: unused by the kernel (its metadata is the mask).
         self._mask = torch.zeros(self.batches[-1], 1, self.widths[-1], 1, dtype=runner.dtype, device=dev)
+        self._hidden_size = int(text_config(runner.model.config).hidden_size)
         self.captured: dict[tuple[int, int], Captured] = {}
         self.counts = StaticCounts()
         self._uploaded: Any = None  # a CUDA event after the last host→device copy
-        self.failure: str | None = None  # why graphs were given up at start-up (static steps then run eagerly)
+        self.failure: str | None = None  # why graphs were given up at start-up (steps then run the eager path)
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -208,9 +216,18 @@ class StaticStep:
         return self.bucket(batch, width, longest) is not None
 
     def replays(self, batch: int, width: int, longest: int = 0) -> bool:
-        """Whether such a step replays a captured graph (else it runs the static step eagerly, or not at all)."""
+        """Whether such a step replays a captured graph."""
         bucket = self.bucket(batch, width, longest)
         return bucket is not None and bucket in self.captured
+
+    def serves(self, batch: int, width: int, longest: int = 0) -> bool:
+        """Whether such a step runs here rather than on the eager path: on CUDA as a replayed graph (a
+        static step run eagerly there would only pad), on a CPU whenever it fits (the tested form)."""
+        return self.replays(batch, width, longest) if self.cuda else self.fits(batch, width, longest)
+
+    def _on_device(self) -> Any:
+        """Make the runner's GPU current (``--device cuda:1``: its streams, events and graphs, not cuda:0's)."""
+        return torch.cuda.device(self.runner.device) if self.cuda else contextlib.nullcontext()
 
     @torch.inference_mode()
     def forward(
@@ -226,29 +243,31 @@ class StaticStep:
         if bucket is None:
             raise ValueError(f"{len(pending)} rows × {width} tokens after {max(lengths)} fit no bucket")
         layout = Layout(*bucket, self.columns)
-        if self._uploaded is not None:  # the last step's copy has left the staging buffer (it has, after its
-            self._uploaded.synchronize()  # step's one device→host read; this guards callers that read none)
-        n = stage(
-            layout.views(self._host_np), pending, lengths, trees, tables, self.cache.block_size, self.cache.scratch
-        )
-        self._upload(layout)
-        captured = self.captured.get(bucket)
-        if captured is not None:
-            captured.graph.replay()
-            self.counts.replayed += 1
-            hidden = captured.hidden
-        else:
-            hidden = self._forward(layout)
-            self.counts.static += 1
-        gather = layout.views(self._device).gather.reshape(-1)[:n]
-        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather)  # [N, hidden]
+        with self._on_device():
+            if self._uploaded is not None:  # the last step's copy has left the staging buffer (it has, after
+                self._uploaded.synchronize()  # its step's one device→host read; this guards callers that read none)
+            n = stage(
+                layout.views(self._host_np), pending, lengths, trees, tables, self.cache.block_size, self.cache.scratch
+            )
+            self._upload(layout)
+            captured = self.captured.get(bucket)
+            if captured is not None:
+                captured.graph.replay()
+                self.counts.replayed += 1
+                hidden = captured.hidden
+            else:
+                hidden = self._forward(layout)
+                self.counts.static += 1
+            gather = layout.views(self._device).gather.reshape(-1)[:n]
+            return hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather)  # [N, hidden]
 
     def _upload(self, layout: Layout) -> None:
         """The one host→device copy of a step (none on a CPU: the staging buffer is the input)."""
-        if self._device is not self._host:
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.runner.device)
             self._device[: layout.size].copy_(self._host[: layout.size], non_blocking=True)
             self._uploaded = torch.cuda.Event()
-            self._uploaded.record()
+            self._uploaded.record(stream)
 
     def _forward(self, layout: Layout) -> torch.Tensor:
         """The forward over a bucket's device views: [B, W, hidden]. What a graph captures."""
@@ -271,33 +290,42 @@ class StaticStep:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's forward as a CUDA graph, the largest first into one memory pool; each
-        after a warm-up run (Triton compiles, cuBLAS picks its kernels) over a step of padding only. Then
-        replay a probe step against the same step run eagerly (``_probe``). A capture that fails, or a
-        replay that disagrees, leaves no graph: static steps then run eagerly, and ``failure`` says why."""
+        """Capture the buckets' forwards as CUDA graphs (those of at most ``MAX_GRAPH_TOKENS`` tokens), the
+        largest first into one memory pool, each after a warm-up run (Triton compiles, cuBLAS picks its
+        kernels) over a step of padding only; every graph writes one shared output buffer. Then replay
+        probe steps against the same steps run eagerly (``_probe``). A capture that fails, or a replay
+        that disagrees, leaves no graph (every step then takes the eager path), and ``failure`` says why;
+        an error that leaves the device unusable is raised."""
         if not self.graphs:
             return
         dev = self.runner.device
         t0 = time.perf_counter()
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_reserved(dev)
-        try:
-            self._capture_all(dev)
-            self.failure = self._probe()
-        except Exception as exc:  # a forward that cannot be captured: served eagerly rather than not at all
-            self.failure = f"capture failed: {type(exc).__name__}: {exc}"[:500]
-        if self.failure is not None:
-            self.captured.clear()
+        with self._on_device():
             torch.cuda.synchronize(dev)
-            torch.cuda.empty_cache()
-        self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = torch.cuda.memory_reserved(dev) - before
+            before = torch.cuda.memory_reserved(dev)
+            stream = torch.cuda.current_stream(dev)
+            try:
+                self._capture_all(dev)
+                self.failure = self._probe()
+            except Exception as exc:  # a forward that cannot be captured: served eagerly rather than not at all
+                torch.cuda.set_stream(stream)  # a capture that failed inside may leave its own stream current
+                self.failure = f"capture failed: {type(exc).__name__}: {exc}"[:500]
+                try:
+                    torch.cuda.synchronize(dev)
+                except Exception as dead:  # an illegal access or an assert: no eager step would run either
+                    raise RuntimeError(f"the device failed while capturing CUDA graphs: {dead}") from exc
+            if self.failure is not None:
+                self.captured.clear()
+                torch.cuda.empty_cache()
+            self.capture_seconds = time.perf_counter() - t0
+            self.capture_bytes = max(torch.cuda.memory_reserved(dev) - before, 0)
 
     def _capture_all(self, dev: torch.device) -> None:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
-        buckets = sorted(((b, w) for b in self.batches for w in self.widths), key=lambda bw: (-bw[0] * bw[1], bw))
-        for bucket in buckets:
+        out = torch.empty(self.batches[-1], self.widths[-1], self._hidden_size, dtype=self.runner.dtype, device=dev)
+        buckets = [(b, w) for b in self.batches for w in self.widths if b * w <= MAX_GRAPH_TOKENS]
+        for bucket in sorted(buckets, key=lambda bw: (-bw[0] * bw[1], bw)):
             layout = Layout(*bucket, self.columns)
             stage(layout.views(self._host_np), [], [], [], [], self.cache.block_size, self.cache.scratch)
             self._upload(layout)
@@ -306,42 +334,51 @@ class StaticStep:
                 self._forward(layout)  # warm-up
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            target = out[: bucket[0], : bucket[1]]
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self._forward(layout)
-            self.captured[bucket] = Captured(graph, hidden)
+                target.copy_(self._forward(layout))  # the forward's own output goes back to the pool
+            self.captured[bucket] = Captured(graph, target)
         torch.cuda.synchronize(dev)
 
     @torch.inference_mode()
     def _probe(self) -> str | None:
-        """Replay single-row buckets on a chain of tokens written into the scratch block (position 0 on)
-        and compare each with the same step run eagerly; why they disagree, or None."""
-        bs, scratch = self.cache.block_size, self.cache.scratch
-        for width in (w for w in self.widths if w <= bs):
-            layout = Layout(1, width, self.columns)
-            chain = TokenTree(list(range(4, 3 + width)), list(range(-1, width - 2)))
-            stage(layout.views(self._host_np), [3], [0], [chain], [[scratch]], bs, scratch)
-            self._upload(layout)
-            want = self._forward(layout).float()  # [1, W, hidden]
-            captured = self.captured[(1, width)]
-            captured.graph.replay()
-            got = captured.hidden.float()
-            if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max().clamp(min=1.0))):
+        """Replay every single-row bucket, and each batch size's widest, on chains of tokens in blocks taken
+        for the while, against the same steps run eagerly; why one disagrees, or None."""
+        probes = [bw for bw in self.captured if bw[0] == 1 or bw[1] == max(w for b, w in self.captured if b == bw[0])]
+        for rows, width in sorted(probes):
+            layout = Layout(rows, width, self.columns)
+            if self.cache.pool.free_blocks < rows * -(-width // self.cache.block_size):
+                continue  # a KV budget too small to lend the blocks: that bucket goes unprobed
+            with self.cache.measurement_rows(rows, width) as where:
+                tables = [self.cache.own_blocks(b) for b in where.blocks]
+                vocab = self.runner.vocab_size
+                chains = [TokenTree([(5 + 7 * i + j) % vocab for j in range(width - 1)], list(range(-1, width - 2)))
+                          for i in range(rows)]  # fmt: skip
+                stage(layout.views(self._host_np), [3] * rows, [0] * rows, chains, tables,
+                      self.cache.block_size, self.cache.scratch)  # fmt: skip
+                self._upload(layout)
+                want = self._forward(layout).float()  # [B, W, hidden]
+                captured = self.captured[(rows, width)]
+                captured.graph.replay()
+                got = captured.hidden.float()
+            scale = float(want.abs().max().clamp(min=1.0))
+            if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * scale):
                 err = float((got - want).abs().max())
-                return f"a replayed graph disagreed with the eager step (1 × {width} tokens, max error {err:.3g})"
+                return f"a replayed graph disagreed with the eager step ({rows} × {width} tokens, max error {err:.3g})"
         return None
 
     def describe(self) -> str:
         """The start-up line: the buckets, and (captured) their memory and capture time."""
         if self.captured:
             what = (
-                f"CUDA graphs of {len(self.captured)} buckets captured in {self.capture_seconds:.1f} s, "
-                f"{self.capture_bytes / 2**20:.0f} MiB"
+                f"CUDA graphs of {len(self.captured)} buckets (up to {MAX_GRAPH_TOKENS} tokens) captured in "
+                f"{self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB reserved"
             )
         elif self.failure is not None:
-            what = f"no CUDA graphs ({self.failure}): static steps run eagerly"
+            what = f"no CUDA graphs ({self.failure}): every step runs the eager path"
         else:
-            what = "static step without graphs (eager)"
+            what = "static steps run eagerly (no CUDA graphs off CUDA)"
         return (
             f"{what}: batch {', '.join(map(str, self.batches))} × tokens per row {', '.join(map(str, self.widths))}; "
-            f"wider or larger steps run eagerly"
+            f"other steps run the eager path"
         )

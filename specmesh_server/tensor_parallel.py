@@ -251,6 +251,8 @@ class Ranks:
             self.host.abort.set()
 
 
+START_TIMEOUT_S = 120.0  # how long the ranks may take to meet at start-up
+
 # A shared-memory operand's room: a [tokens, hidden] float32 activation of 4 MiB (SmolLM2-135M: 1,820
 # tokens); larger ones (long prefill chunks of wide models) take gloo.
 HOST_CAPACITY = 4 * 2**20
@@ -264,7 +266,12 @@ def init_ranks(
     all-reduce through shared memory (``host_all_reduce``) where the platform allows."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    # The ranks' first meeting waits for processes that are still importing torch (seconds on a busy host):
+    # bounded by START_TIMEOUT_S, not by the collectives' timeout, which then bounds the store as well.
+    start = timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
+    store, rank, world = next(dist.rendezvous(init_method, rank, world, timeout=start))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
     host = None
     if one_host and device.type == "cpu" and supported():

@@ -163,7 +163,7 @@ def decode_step(
     lengths = [s.length for s in seqs]
     static = runner.static
     t0 = time.perf_counter()
-    if static is not None and static.fits(len(seqs), width, max(lengths)):  # one staged copy; a graph's replay
+    if static is not None and static.serves(len(seqs), width, max(lengths)):  # one staged copy; a graph's replay
         tables = [runner.cache.own_blocks(b) for b in rows.blocks]
         path = "graph" if static.replays(len(seqs), width, max(lengths)) else "static"
         hidden = static.forward([s.pending for s in seqs], lengths, trees, tables)  # [sum(n_i + 1), h]

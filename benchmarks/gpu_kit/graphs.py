@@ -126,6 +126,9 @@ def step_table(
     context = CONTEXT if ctx.cuda else 16
     runner, seconds = build(shape, ctx, dtype, max(b for b, _ in cases), graphs=True)
     sec.notes.append(f"{name}: {runner.static.describe()} (built and captured in {seconds:.1f} s)")
+    if ctx.cuda and not runner.static.captured:
+        sec.fail(f"{name}: no CUDA graphs: {runner.static.failure}")
+        return
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     floor_ms = 1e3 * weights / copy_bandwidth(ctx.device)
     t = sec.table(
@@ -271,7 +274,8 @@ def decode(
         trees = []
         for i, o in enumerate(out):
             nxt = want[i][len(o) : len(o) + 4]
-            trees.append(TokenTree([(nxt[0] + 1) % vocab if nxt else 3, *nxt], [-1, -1, *range(1, len(nxt))]))
+            wrong = (nxt[0] + 1) % vocab if nxt else 3  # a finished row still rides along: a one-node tree
+            trees.append(TokenTree([wrong, *nxt], [-1, *([-1, *range(1, len(nxt))] if nxt else [])]))
         best = step(runner, rows, pending, trees, static=static)
         at, moves = 0, []
         for i, tree in enumerate(trees):

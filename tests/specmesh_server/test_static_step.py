@@ -159,7 +159,7 @@ def test_a_step_no_bucket_holds_runs_eagerly(tiny_llama):
     assert static.batches == (1, 2, 4) and static.widths[-1] == 64
     assert static.fits(4, 64) and not static.fits(5, 1) and not static.fits(1, 65)
     assert static.fits(1, 1, longest=static.columns * BS - 1) and not static.fits(1, 2, longest=static.columns * BS - 1)
-    assert not static.replays(4, 64)  # nothing captured on a CPU
+    assert not static.replays(4, 64) and static.serves(4, 64)  # nothing captured: on a CPU it runs eagerly
     with pytest.raises(ValueError, match="fit no bucket"):  # more rows than any bucket
         static.forward([1] * 5, [3] * 5, [TokenTree([], [])] * 5, [[0]] * 5)
 
@@ -283,7 +283,9 @@ def test_the_start_up_probe_keeps_graphs_only_where_a_replay_equals_the_eager_st
     for w in static.widths:
         graph = FakeGraph(static, Layout(1, w, static.columns), faithful)
         static.captured[(1, w)] = Captured(graph, graph.hidden)
+    free = runner.cache.pool.free_blocks
     failure = static._probe()
+    assert runner.cache.pool.free_blocks == free  # the probe's blocks went back
     assert (failure is None) == faithful, failure
     if not faithful:
         assert "disagreed with the eager step" in failure
