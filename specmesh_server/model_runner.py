@@ -10,6 +10,7 @@ plain decode and token-tree verification (ancestor masks).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -314,20 +315,20 @@ def _timed_forward(runner: ModelRunner, where: Any, ids: torch.Tensor, at: int, 
     dev, rows = runner.device, ids.shape[0]
     pos = torch.arange(at, at + width, device=dev)[None].expand(rows, width)
     mask = causal_mask(pos, at + width)
-    static = runner.static if isinstance(where, PagedRows) and runner.static is not None else None
+    static = runner.static if isinstance(where, PagedRows) else None
     if static is not None and static.serves(rows, width, at):  # as the engine runs it: the static step (a graph)
         host = ids[:, at : at + width].tolist()
         chain = [TokenTree(r[1:], list(range(-1, width - 2))) for r in host]
         tables = [runner.cache.own_blocks(b) for b in where.blocks[:rows]]
+        step = functools.partial(static.forward, [r[0] for r in host], [at] * rows, chain, tables)
+    else:
+        step = functools.partial(runner.forward, _first(where, rows), ids[:, at : at + width], pos, mask)
     best = float("inf")
     for _ in range(repeats):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if static is not None and static.serves(rows, width, at):
-            runner.logits(static.forward([r[0] for r in host], [at] * rows, chain, tables))
-        else:
-            runner.logits(runner.forward(_first(where, rows), ids[:, at : at + width], pos, mask))
+        runner.logits(step())
         if dev.type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
