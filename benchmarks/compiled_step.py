@@ -54,7 +54,9 @@ def main() -> None:
     runners = {}
     for label, packed in (("eager", True), ("compiled", False)):
         lm = load_model(device="cpu", dtype="float32")
-        runners[label] = ModelRunner(lm.model, lm.device, lm.dtype, 4096, packed_linears=packed, block_size=16)
+        runners[label] = ModelRunner(
+            lm.model, lm.device, lm.dtype, 4096, linears="packed" if packed else "stock", block_size=16
+        )
     for layer in runners["compiled"].decoder.layers:
         layer.mlp.forward = torch.compile(layer.mlp.forward, dynamic=False)
         layer.post_attention_layernorm.forward = torch.compile(layer.post_attention_layernorm.forward, dynamic=False)

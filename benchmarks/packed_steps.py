@@ -57,7 +57,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lm = load_model()
-    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context=4096, packed_linears=True)
+    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context=4096, linears="packed")
     rows = max(len(n) for n in SHAPES.values())
     runner.cache.reserve(rows, a.cached + 64)
     first = prefill_inputs([list(range(1000, 1000 + a.cached))] * rows, [0] * rows, lm.device)

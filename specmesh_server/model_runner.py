@@ -47,7 +47,7 @@ class ModelRunner:
         dtype: torch.dtype,
         max_context: int,
         tree_kernel: bool | None = None,
-        packed_linears: bool = False,
+        linears: str = "stock",
         kv_budget_bytes: int | None = None,
         block_size: int | None = None,
         prefix_caching: bool = True,
@@ -58,8 +58,9 @@ class ModelRunner:
         """``tree_kernel``: tree steps through the Triton tree-attention kernel; default on CUDA only.
         Otherwise SDPA over the cache without repeating K/V (both in ``attention``; models it does not
         support keep transformers' attention, and no kernel).
-        ``packed_linears``: on a CPU, replace the model's linear layers in place by oneDNN ones with
-        pre-packed weights (``packed_linear``; ignored where unsupported).
+        ``linears``: on a CPU in float32, ``packed`` replaces the model's linear layers in place by oneDNN
+        ones with pre-packed weights, ``gemv`` also sends steps of a few rows through the matrix-vector
+        kernel (``packed_linear``); where unsupported the runner falls back (``self.linears`` says which run).
         ``kv_budget_bytes``: the KV cache never allocates more (None: unbounded; paged: 30 % of what is free).
         ``block_size``: a paged cache of blocks of this many positions (``paged_kv``, prefix caching
         as ``prefix_caching`` says); None: the slot cache (``kv_cache``).
@@ -70,9 +71,9 @@ class ModelRunner:
         weights = sum(
             p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
         )
-        self.packed_linears = packed_linears and packed_linear.supported(device, dtype)
-        if self.packed_linears:
-            packed_linear.pack_linears(model)
+        self.linears = packed_linear.effective(linears, device, dtype)
+        if self.linears != "stock":
+            packed_linear.pack_linears(model, gemv=self.linears == "gemv")
         self.model = model
         self.decoder = model.get_decoder()  # the base model: hidden states, no lm_head
         self.lm_head = model.get_output_embeddings()

@@ -7,6 +7,12 @@ weight matrix. On a CPU whose memory bandwidth, not arithmetic, bounds that step
 cached tokens (forward + logits, median): width 1 71 → 57 ms, width 2 118 → 60 ms, width 16
 137 → 83 ms. oneDNN's blocked layout, made once here (``_reorder_linear_weight``), is read as is.
 
+Steps of at most ``GEMV_ROWS`` rows (plain decode, small trees) are bound by that one read, which
+oneDNN spends 1.6x on at one row: with ``gemv`` the plain weight is kept beside the packed one and such
+steps go through ``specmesh_kernels.cpu_linear``'s matrix-vector kernel (SmolLM2-135M's linears at
+1 row: 35 → 22 ms; the whole batch-1 decode step 1.23x faster, docs/bench/issue55-cpu; larger steps
+stay on oneDNN). That costs the weights' memory twice.
+
 The product is the same up to floating-point reduction order (|Δlogit| ≲ 1e-4 on SmolLM2), as
 it already is between stock calls of different row counts; greedy equality with transformers'
 own ``generate()`` is tested through the verifier service.
@@ -16,11 +22,16 @@ from __future__ import annotations
 
 import torch
 
+from specmesh.paths import cache_dir
+from specmesh_kernels import cpu_linear
 from specmesh_server.flags import ServiceFlags
 
 # The weight layout is blocked for about this many rows (steps bring 1 … ~100; measured flat
 # between 16 and 64, slower when packed for 1 row).
 ROWS_HINT = 64
+# Steps of at most this many rows go through the matrix-vector kernel (with ``gemv``). On a 2-core EPYC
+# over SmolLM2-135M's linears alone it wins to 6 rows; in a whole step at 8 rows it lost (0.82x).
+GEMV_ROWS = 4
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -33,20 +44,58 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` for inference with its weight in oneDNN's blocked layout (no autograd)."""
+LINEARS = ("gemv", "packed", "stock")
 
-    def __init__(self, linear: torch.nn.Linear, rows_hint: int = ROWS_HINT) -> None:
+
+def effective(linears: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The linears that run for ``--linears linears``: stock where oneDNN packing is unsupported,
+    packed where the kernel is (e.g. ``effective("gemv", torch.device("cuda"), torch.float32)`` → stock)."""
+    if linears not in LINEARS:
+        raise ValueError(f"linears: one of {LINEARS}, not {linears!r}")
+    if linears == "stock" or not supported(device, dtype):
+        return "stock"
+    return "gemv" if linears == "gemv" and gemv_supported() else "packed"
+
+
+def describe(linears: str) -> str:
+    """The start-up line's words for the linears that run."""
+    return {
+        "gemv": f"oneDNN with pre-packed weights; steps of at most {GEMV_ROWS} rows through the AVX2 "
+        "matrix-vector kernel",
+        "packed": "oneDNN with pre-packed weights",
+        "stock": "transformers' own",
+    }[linears]
+
+
+def gemv_supported() -> bool:
+    """Whether the matrix-vector kernel runs here (built once into the cache folder; False where this
+    CPU lacks AVX2/FMA or no compiler is found, logged)."""
+    return cpu_linear.load(cache_dir() / "extensions")
+
+
+class PackedLinear(torch.nn.Module):
+    """``nn.Linear`` for inference with its weight in oneDNN's blocked layout (no autograd); with
+    ``gemv``, steps of at most ``GEMV_ROWS`` rows read the plain weight through the kernel instead."""
+
+    def __init__(self, linear: torch.nn.Linear, rows_hint: int = ROWS_HINT, gemv: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)  # opaque
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # [out, in] contiguous, or None; at most this many input elements go through the kernel
+        self.plain = linear.weight.detach().contiguous() if gemv else None
+        self.gemv_numel = GEMV_ROWS * self.in_features if gemv else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
+        if x.numel() <= self.gemv_numel:
+            return cpu_linear.linear(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"gemv={self.plain is not None}"
+        )
 
 
 def linear_reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
@@ -54,10 +103,11 @@ def linear_reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     return torch.nn.functional.linear(x, linear.weight, linear.bias)
 
 
-def pack_linears(model: torch.nn.Module, rows_hint: int = ROWS_HINT) -> int:
+def pack_linears(model: torch.nn.Module, rows_hint: int = ROWS_HINT, gemv: bool = False) -> int:
     """Replace every ``nn.Linear`` of ``model`` in place by a :class:`PackedLinear`; returns how many.
 
-    A tied output head gets its own packed copy; the input embedding keeps the original.
+    A tied output head gets its own packed copy; the input embedding keeps the original (and, with
+    ``gemv``, is the head's plain weight: tied, not copied).
     """
     swaps = [
         (parent, name, child)
@@ -66,17 +116,18 @@ def pack_linears(model: torch.nn.Module, rows_hint: int = ROWS_HINT) -> int:
         if isinstance(child, torch.nn.Linear)
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, rows_hint))
+        setattr(parent, name, PackedLinear(child, rows_hint, gemv))
     return len(swaps)
 
 
 def add_linears_flag(flags: ServiceFlags) -> None:
-    """``--linears packed|stock``, shared by the services that run a model through ``ModelRunner``."""
+    """``--linears gemv|packed|stock``, shared by the services that run a model through ``ModelRunner``."""
     flags.add(
         "--linears",
-        "packed",
+        "gemv",
         str,
         "CPU float32: packed = linear layers through oneDNN with weights packed once at start-up "
-        "(faster multi-token steps); stock = transformers' own",
-        choices=["packed", "stock"],
+        "(faster multi-token steps); gemv = packed, and steps of at most 4 rows through SpecMesh's "
+        "AVX2 matrix-vector kernel (faster decode; the weights held twice); stock = transformers' own",
+        choices=["gemv", "packed", "stock"],
     )

@@ -24,7 +24,7 @@ class VerifierConfig:
     threads: int = 0  # torch intra-op threads; 0 = torch's default (under tensor parallelism: the cores / ranks)
     tensor_parallel_size: int = 1  # ranks the target is sharded over (``tensor_parallel``)
     tensor_parallel_timeout_s: float = 60.0  # bound on every collective wait; past it a rank counts as failed
-    packed_linears: bool = True  # CPU: linear layers through oneDNN with pre-packed weights
+    linears: str = "gemv"  # CPU float32: gemv (oneDNN packed + the small-step kernel), packed, stock
     attention: str = "auto"  # tree verification's attention: auto (the Triton kernel on CUDA), triton, sdpa
     cuda_graphs: str = "auto"  # decode/verify steps as static steps: auto (CUDA graphs on CUDA), on, off
     max_context: int = 0  # 0 = the model's max_position_embeddings
@@ -281,7 +281,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         threads=a.threads,
         tensor_parallel_size=a.tensor_parallel_size,
         tensor_parallel_timeout_s=a.tensor_parallel_timeout,
-        packed_linears=a.linears == "packed",
+        linears=a.linears,
         attention=a.attention,
         cuda_graphs=a.cuda_graphs,
         max_context=a.max_context,

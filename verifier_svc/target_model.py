@@ -98,7 +98,7 @@ def _runner(
         lm.dtype,
         max_context,
         tree_kernel=ATTENTION[config.attention],
-        packed_linears=config.packed_linears,
+        linears=config.linears,
         kv_budget_bytes=config.kv_cache_bytes or None,  # None: the runner's default share of free memory
         block_size=config.block_size,
         prefix_caching=config.prefix_caching,
@@ -172,8 +172,10 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
         f"prefix caching {'on' if config.prefix_caching else 'off'}",
         flush=True,
     )
-    if runner.packed_linears:
-        print("verifier: linear layers run through oneDNN with pre-packed weights (--linears stock: off)", flush=True)
+    if runner.device.type == "cpu":
+        from specmesh_server.packed_linear import describe as describe_linears
+
+        print(f"verifier: linear layers: {describe_linears(runner.linears)} (--linears {runner.linears})", flush=True)
     if static_steps(config.cuda_graphs, runner.tree_kernel, lm.device, config.tensor_parallel_size):
         static = runner.use_static(config.engine.max_running, max_context, graphs=True)
         print(f"verifier: decode steps as static steps, {static.describe()} (--cuda-graphs off: none)", flush=True)

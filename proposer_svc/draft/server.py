@@ -216,7 +216,7 @@ class DraftServerConfig:
     device: str | None = None
     dtype: str | None = None
     threads: int = 1  # torch threads; 0 = torch's default
-    packed_linears: bool = True
+    linears: str = "gemv"  # CPU float32 linears: gemv, packed or stock (``packed_linear``)
     max_context: int = 0  # 0 = the model's max_position_embeddings
     max_batch: int = 16
     max_nodes: int = 16
@@ -256,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> DraftServerConfig:
         device=a.device,
         dtype=a.dtype,
         threads=a.threads,
-        packed_linears=a.linears == "packed",
+        linears=a.linears,
         max_context=a.max_context,
         **tree_settings(a),
     )
@@ -277,9 +277,7 @@ def load_draft(cfg: DraftServerConfig) -> tuple[Any, Any]:
     max_context = min(cfg.max_context or model_max, model_max)
     # No tree-attention kernel: a draft level's mask (the candidates' storage slots) is not the kernel's
     # prefix-and-window form, so on CUDA every forward would pay a device read to find that out.
-    runner = ModelRunner(
-        lm.model, lm.device, lm.dtype, max_context, tree_kernel=False, packed_linears=cfg.packed_linears
-    )
+    runner = ModelRunner(lm.model, lm.device, lm.dtype, max_context, tree_kernel=False, linears=cfg.linears)
     return lm, runner
 
 

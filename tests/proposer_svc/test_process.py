@@ -25,7 +25,7 @@ def test_variables_named_after_the_flags_set_the_defaults_and_flags_win(monkeypa
     monkeypatch.setenv("SPECMESH_LINEARS", "stock")
     monkeypatch.setenv("SPECMESH_THREADS", "3")
     draft = draft_server.parse_args(["--max-depth", "3"])
-    assert (draft.max_nodes, draft.max_depth, draft.threads, draft.packed_linears) == (8, 3, 3, False)
+    assert (draft.max_nodes, draft.max_depth, draft.threads, draft.linears) == (8, 3, 3, "stock")
     monkeypatch.setenv("SPECMESH_DATA_DIR", "/tmp/corpora")
     rag = rag_server.parse_args(["--min-match", "3"])
     assert (rag.lookup.max_nodes, rag.lookup.min_match, str(rag.data_dir)) == (8, 3, "/tmp/corpora")
