@@ -1,8 +1,10 @@
 """The CPU verifier's step, measured: linears modes side by side (paired), against the weight-read
 time, and where a step's time goes.
 
-Two verifier CPU runners on the default model, one per ``--linears`` mode (default: gemv against
-packed), over the paged cache as the verifier runs it. For each step shape — plain decode at batch 1
+Two verifier CPU runners on the default model, one per mode, over the paged cache as the verifier
+runs it. A mode is a ``--linears`` value, with ``/transformers`` for transformers' own layer forward
+instead of ``lean_llama``'s (default: ``gemv`` — today's default — against ``packed/transformers``,
+the step before issue 55). For each step shape — plain decode at batch 1
 and 8, and 17-token trees (the pending token and 16 nodes) at batch 1 and 8, after a ``--context``-token
 prefix — steps alternate A, B, A, B … so drift hits both alike; the ratio is the median of per-pair
 ratios with a bootstrap 95 % interval. Each step is the forward and its logits.
@@ -98,7 +100,9 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=20)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--modes", default="gemv,packed", help="two --linears modes: A,B (ratio B / A)")
+    ap.add_argument(
+        "--modes", default="gemv,packed/transformers", help="two modes, A,B (ratio B / A): LINEARS[/transformers]"
+    )
     ap.add_argument("--profile", action="store_true", help="also the first mode's time by kind of work")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -113,7 +117,10 @@ def main() -> None:
         if not runners:
             with torch.inference_mode():
                 read_ms, mb = weight_read_ms(lm.model)
-        runners[mode] = ModelRunner(lm.model, lm.device, lm.dtype, 4096, linears=mode, block_size=16)
+        linears, _, forward = mode.partition("/")
+        runners[mode] = ModelRunner(
+            lm.model, lm.device, lm.dtype, 4096, linears=linears, block_size=16, lean=forward != "transformers"
+        )
     a, b = modes
     print(
         f"# The CPU step ({cpu_name()}, {args.threads} threads, {args.pairs} pairs, {args.context}-token context)\n\n"

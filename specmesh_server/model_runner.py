@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from specmesh_router.cost_model import ContextCost, StepCost
-from specmesh_server import attention, packed_linear
+from specmesh_server import attention, lean_llama, packed_linear
 from specmesh_server.kv_blocks import BlockTable
 from specmesh_server.kv_cache import SlotKVCache, bytes_per_position, default_budget_bytes
 from specmesh_server.model_loading import head_dim as model_head_dim
@@ -54,6 +54,7 @@ class ModelRunner:
         shard: Shard | None = None,
         ranks: Ranks | None = None,
         leader: Leader | None = None,
+        lean: bool = True,
     ) -> None:
         """``tree_kernel``: tree steps through the Triton tree-attention kernel; default on CUDA only.
         Otherwise SDPA over the cache without repeating K/V (both in ``attention``; models it does not
@@ -66,7 +67,9 @@ class ModelRunner:
         as ``prefix_caching`` says); None: the slot cache (``kv_cache``).
         ``shard``, ``ranks``: ``model`` is this rank's shard (``tensor_parallel.shard_model``): the cache
         holds its key/value heads, in as many blocks as every rank's budget holds (agreed over ``ranks``).
-        ``leader`` (rank 0): every forward and cache copy is first sent to the other ranks."""
+        ``leader`` (rank 0): every forward and cache copy is first sent to the other ranks.
+        ``lean``: on a CPU without tensor parallelism, Llama layers run through ``lean_llama`` (the same
+        logits from fewer operator calls); False keeps transformers' forward."""
         # Counted before packing (packed layers keep their weights outside nn.Parameters).
         weights = sum(
             p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
@@ -123,6 +126,8 @@ class ModelRunner:
             )
         if supported:
             model.set_attn_implementation(attention.register())
+        if lean and device.type == "cpu" and shard is None and lean_llama.supports(model):
+            self.decoder = lean_llama.LeanLlama(self.decoder)
         self.static: StaticStep | None = None  # decode and verification steps in static buffers (``use_static``)
 
     def use_static(self, max_batch: int, max_context: int, graphs: bool) -> StaticStep:

@@ -1,0 +1,172 @@
+"""The Llama family's decoder forward in one function: the CPU step without transformers' modules.
+
+On a CPU a batch-1 decode step of SmolLM2-135M spent more time between its linear layers than in
+them: transformers' per-layer modules make ~60 operator calls and ~13 module calls a layer (a
+RMSNorm alone is six operators, the rotary embedding ten), each paying Python and dispatch. This
+forward computes the same thing with fewer calls, per layer:
+
+    h = rms_norm(x)                         one operator (torch.rms_norm: the same bits as
+                                            transformers' pow → mean → rsqrt → mul → mul)
+    q, k, v = h · [Wq; Wk; Wv]ᵀ             one product for a step of ≤ GEMV_ROWS rows (the fused
+                                            weight, of which the layer's q/k/v weights are views);
+                                            three otherwise (oneDNN's packed weights)
+    q, k = rope(q, k)                       both in one pass: x·cos + rotate_half(x)·sin
+    x = x + o_proj(attention(q, cache ∪ (k, v)))
+    h = rms_norm(x)
+    x = x + down_proj(silu(g) · u)          [g; u] = h · [Wgate; Wup]ᵀ likewise fused
+
+Every output is the same sum in the same order as transformers' forward over the same linears (a
+fused product's rows are its parts' rows; the elementwise steps are the same per element), so the
+logits equal theirs: lossless by construction, tested against the stock forward.
+
+Only plain Llama layers take it (``supports``): SiLU MLP, no biases, the default or a scaled rotary
+embedding transformers computes (its own module is called), no sliding window. Others keep
+transformers' forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specmesh_kernels import cpu_linear
+from specmesh_server import attention
+from specmesh_server.packed_linear import GEMV_ROWS, PackedLinear
+
+
+def supports(model: Any) -> bool:
+    """A Llama-architecture decoder whose layers this forward computes exactly."""
+    cfg = model.config
+    return (
+        getattr(cfg, "model_type", "") == "llama"
+        and getattr(cfg, "hidden_act", "") == "silu"
+        and not getattr(cfg, "attention_bias", False)
+        and not getattr(cfg, "mlp_bias", False)
+        and attention.supports(cfg)
+        and cfg._attn_implementation == attention.ATTN_NAME
+    )
+
+
+@dataclass(frozen=True)
+class DecoderOutput:
+    last_hidden_state: torch.Tensor  # [b, n, hidden]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's parts. ``qkv``/``gate_up``: the fused plain weights for small steps, or None."""
+
+    attn: torch.nn.Module  # transformers' attention module (its attributes are read by the attention function)
+    norm_in: torch.Tensor  # [hidden]
+    norm_post: torch.Tensor  # [hidden]
+    q: Any
+    k: Any
+    v: Any
+    o: Any
+    gate: Any
+    up: Any
+    down: Any
+    qkv: torch.Tensor | None  # [(H + 2·kv_heads)·D, hidden]
+    gate_up: torch.Tensor | None  # [2·intermediate, hidden]
+
+
+def _fuse(modules: list[Any]) -> torch.Tensor | None:
+    """The plain weights of ``modules`` (``PackedLinear`` with the kernel) as one [Σ out, in] tensor, each
+    module's own weight then a view of it; None where they have none."""
+    if not all(isinstance(m, PackedLinear) and m.plain is not None for m in modules):
+        return None
+    fused = torch.cat([m.plain for m in modules])
+    start = 0
+    for m in modules:
+        m.plain = fused[start : start + m.out_features]
+        start += m.out_features
+    return fused
+
+
+class LeanLlama:
+    """Callable as the runner's decoder: ``(input_ids, attention_mask, position_ids, cache, **kwargs)`` →
+    ``DecoderOutput``. Holds transformers' decoder and reads its weights; fuses q/k/v and gate/up plain
+    weights in place (the modules keep views)."""
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        self.decoder = decoder
+        cfg = decoder.config
+        self.hidden = int(cfg.hidden_size)
+        self.eps = float(cfg.rms_norm_eps)
+        self.layers = []
+        for layer in decoder.layers[: cfg.num_hidden_layers]:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(
+                Layer(
+                    attn=a,
+                    norm_in=layer.input_layernorm.weight,
+                    norm_post=layer.post_attention_layernorm.weight,
+                    q=a.q_proj.forward,
+                    k=a.k_proj.forward,
+                    v=a.v_proj.forward,
+                    o=a.o_proj.forward,
+                    gate=m.gate_proj.forward,
+                    up=m.up_proj.forward,
+                    down=m.down_proj.forward,
+                    qkv=_fuse([a.q_proj, a.k_proj, a.v_proj]),
+                    gate_up=_fuse([m.gate_proj, m.up_proj]),
+                )
+            )
+        first = decoder.layers[0].self_attn
+        self.head_dim, self.scaling = int(first.head_dim), first.scaling
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        use_cache: bool = True,
+        **kwargs: Any,
+    ) -> DecoderOutput:
+        """input_ids, position_ids: int64 [b, n]; attention_mask: float [b, 1, n, kv_len] → hidden [b, n, hidden]."""
+        d = self.decoder
+        x = d.embed_tokens(input_ids)  # [b, n, hidden]
+        b, n, _ = x.shape
+        cos, sin = d.rotary_emb(x, position_ids=position_ids)  # [b, n, D] each
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [b, n, 1, D]: every head
+        small = b * n <= GEMV_ROWS
+        heads, kv, dim, shape = self.heads, self.kv_heads, self.head_dim, (self.hidden,)
+        for i, layer in enumerate(self.layers):
+            h = torch.rms_norm(x, shape, layer.norm_in, self.eps)
+            if small and layer.qkv is not None:
+                qkv = cpu_linear.linear(h, layer.qkv, None).view(b, n, heads + 2 * kv, dim)
+                qk = _rope(qkv[:, :, : heads + kv], cos, sin)  # [b, n, H + kv_heads, D]
+                q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv :]
+            else:
+                q = _rope(layer.q(h).view(b, n, heads, dim), cos, sin)
+                k = _rope(layer.k(h).view(b, n, kv, dim), cos, sin)
+                v = layer.v(h).view(b, n, kv, dim)
+            keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), i)
+            out, _ = attention.attention_forward(
+                layer.attn, q.transpose(1, 2), keys, values, attention_mask, scaling=self.scaling, **kwargs
+            )  # [b, n, H, D]
+            x = x + layer.o(out.reshape(b, n, heads * dim))
+            h = torch.rms_norm(x, shape, layer.norm_post, self.eps)
+            if small and layer.gate_up is not None:
+                gate, up = cpu_linear.linear(h, layer.gate_up, None).chunk(2, dim=-1)
+            else:
+                gate, up = layer.gate(h), layer.up(h)
+            x = x + layer.down(F.silu(gate) * up)
+        return DecoderOutput(torch.rms_norm(x, shape, d.norm.weight, self.eps))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, n, heads, D] rotated: x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁] (transformers' form).
+
+    >>> x = torch.tensor([[[[1.0, 2.0]]]])          # one head, D = 2: x₁ = 1, x₂ = 2
+    >>> _rope(x, torch.zeros(1, 1, 1, 2), torch.ones(1, 1, 1, 2)).tolist()
+    [[[[-2.0, 1.0]]]]
+    """
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
