@@ -55,7 +55,7 @@ def main() -> None:
     for label, packed in (("eager", True), ("compiled", False)):
         lm = load_model(device="cpu", dtype="float32")
         runners[label] = ModelRunner(
-            lm.model, lm.device, lm.dtype, 4096, linears="packed" if packed else "stock", block_size=16
+            lm.model, lm.device, lm.dtype, 4096, linears="packed" if packed else "stock", block_size=16, lean=False
         )
     for layer in runners["compiled"].decoder.layers:
         layer.mlp.forward = torch.compile(layer.mlp.forward, dynamic=False)

@@ -2,7 +2,8 @@
 time, and where a step's time goes.
 
 Two verifier CPU runners on the default model, one per mode, over the paged cache as the verifier
-runs it. A mode is a ``--linears`` value, with ``/transformers`` for transformers' own layer forward
+runs it. A mode is a ``--linears`` value (or ``gguf``: ``--weights gguf``, the shipped file's Q4_1 / Q8_0
+blocks), with ``/transformers`` for transformers' own layer forward
 instead of ``lean_llama``'s (default: ``gemv`` — today's default — against ``packed/transformers``,
 the step before issue 55). For each step shape — plain decode at batch 1
 and 8, and 17-token trees (the pending token and 16 nodes) at batch 1 and 8, after a ``--context``-token
@@ -34,7 +35,14 @@ CASES = {
     "1 row × 17 tokens": (1, 16),
     "8 rows × 17 tokens": (8, 16),
 }
-LINEAR_OPS = ("specmesh_cpu::linear", "mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::matmul")
+LINEAR_OPS = (
+    "specmesh_cpu::linear",
+    "specmesh_cpu::linear_gguf",
+    "mkldnn::_linear_pointwise",
+    "aten::addmm",
+    "aten::mm",
+    "aten::matmul",
+)
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax")
 
 
@@ -118,6 +126,12 @@ def main() -> None:
             with torch.inference_mode():
                 read_ms, mb = weight_read_ms(lm.model)
         linears, _, forward = mode.partition("/")
+        if linears == "gguf":  # --weights gguf: the shipped file's blocks, the rest as gemv
+            from specmesh_server.gguf_weights import quantize_linears
+            from specmesh_server.model_loading import default_gguf_path
+
+            quantize_linears(lm.model, default_gguf_path())
+            linears = "gemv"
         runners[mode] = ModelRunner(
             lm.model, lm.device, lm.dtype, 4096, linears=linears, block_size=16, lean=forward != "transformers"
         )

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from specmesh_kernels import cpu_linear
 from specmesh_server import attention
+from specmesh_server.gguf_weights import GGUFLinear
 from specmesh_server.packed_linear import GEMV_ROWS, PackedLinear
 
 
@@ -56,6 +57,21 @@ class DecoderOutput:
 
 
 @dataclass(frozen=True)
+class Fused:
+    """One product for several linear layers: float32 plain weights (the matrix-vector kernel, steps of at
+    most ``GEMV_ROWS`` rows) or GGUF blocks of one kind (any step)."""
+
+    weight: torch.Tensor  # float32 [Σ out, in], or uint8 blocks [Σ out, in / 32 · block bytes]
+    kind: int | None  # the blocks' GGUF kind; None: float32
+    rows: int  # the most rows a step may bring to take it
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind is None:
+            return cpu_linear.linear(x, self.weight, None)
+        return cpu_linear.linear_gguf(x, self.weight, self.kind)
+
+
+@dataclass(frozen=True)
 class Layer:
     """One decoder layer's parts. ``qkv``/``gate_up``: the fused plain weights for small steps, or None."""
 
@@ -69,21 +85,25 @@ class Layer:
     gate: Any
     up: Any
     down: Any
-    qkv: torch.Tensor | None  # [(H + 2·kv_heads)·D, hidden]
-    gate_up: torch.Tensor | None  # [2·intermediate, hidden]
+    qkv: Fused | None  # → [..., (H + 2·kv_heads)·D]
+    gate_up: Fused | None  # → [..., 2·intermediate]
 
 
-def _fuse(modules: list[Any]) -> torch.Tensor | None:
-    """The plain weights of ``modules`` (``PackedLinear`` with the kernel) as one [Σ out, in] tensor, each
-    module's own weight then a view of it; None where they have none."""
-    if not all(isinstance(m, PackedLinear) and m.plain is not None for m in modules):
+def _fuse(modules: list[Any]) -> Fused | None:
+    """One product for ``modules``: their float32 plain weights (``PackedLinear`` with the kernel) or their
+    GGUF blocks of one kind, concatenated, each module's own then a view of it; None where neither."""
+    if all(isinstance(m, PackedLinear) and m.plain is not None for m in modules):
+        attr, kind, rows = "plain", None, GEMV_ROWS
+    elif all(isinstance(m, GGUFLinear) for m in modules) and len({m.kind for m in modules}) == 1:
+        attr, kind, rows = "blocks", modules[0].kind, 1 << 62
+    else:
         return None
-    fused = torch.cat([m.plain for m in modules])
+    fused = torch.cat([getattr(m, attr) for m in modules])
     start = 0
     for m in modules:
-        m.plain = fused[start : start + m.out_features]
+        setattr(m, attr, fused[start : start + m.out_features])
         start += m.out_features
-    return fused
+    return Fused(fused, kind, rows)
 
 
 class LeanLlama:
@@ -135,12 +155,12 @@ class LeanLlama:
         b, n, _ = x.shape
         cos, sin = d.rotary_emb(x, position_ids=position_ids)  # [b, n, D] each
         cos, sin = cos[:, :, None], sin[:, :, None]  # [b, n, 1, D]: every head
-        small = b * n <= GEMV_ROWS
+        rows = b * n
         heads, kv, dim, shape = self.heads, self.kv_heads, self.head_dim, (self.hidden,)
         for i, layer in enumerate(self.layers):
             h = torch.rms_norm(x, shape, layer.norm_in, self.eps)
-            if small and layer.qkv is not None:
-                qkv = cpu_linear.linear(h, layer.qkv, None).view(b, n, heads + 2 * kv, dim)
+            if layer.qkv is not None and rows <= layer.qkv.rows:
+                qkv = layer.qkv(h).view(b, n, heads + 2 * kv, dim)
                 qk = _rope(qkv[:, :, : heads + kv], cos, sin)  # [b, n, H + kv_heads, D]
                 q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv :]
             else:
@@ -153,11 +173,11 @@ class LeanLlama:
             )  # [b, n, H, D]
             x = x + layer.o(out.reshape(b, n, heads * dim))
             h = torch.rms_norm(x, shape, layer.norm_post, self.eps)
-            if small and layer.gate_up is not None:
-                gate, up = cpu_linear.linear(h, layer.gate_up, None).chunk(2, dim=-1)
+            if layer.gate_up is not None and rows <= layer.gate_up.rows:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
             else:
                 gate, up = layer.gate(h), layer.up(h)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(F.silu(gate.contiguous()) * up)  # contiguous: SiLU rounds as in transformers
         return DecoderOutput(torch.rms_norm(x, shape, d.norm.weight, self.eps))
 
 

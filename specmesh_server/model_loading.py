@@ -82,6 +82,17 @@ def resolve_model_path(spec: str | None = None) -> Path:
     )
 
 
+def gguf_source(spec: str | None = None) -> Path:
+    """The GGUF file a model spec was converted from: the default model's, or a ``.gguf`` path; a
+    ``ModelNotFoundError`` for an HF folder (it has no blocks to serve)."""
+    if spec in (None, "", DEFAULT_MODEL):
+        return default_gguf_path()
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ModelNotFoundError(f"--weights gguf serves a .gguf model (or the default); {spec!r} is not one")
+
+
 def _converted_gguf(gguf: Path, target: Path) -> Path:
     if (target / "config.json").is_file():
         return target

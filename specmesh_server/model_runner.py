@@ -17,6 +17,7 @@ import torch
 
 from specmesh_router.cost_model import ContextCost, StepCost
 from specmesh_server import attention, lean_llama, packed_linear
+from specmesh_server.gguf_weights import GGUFLinear
 from specmesh_server.kv_blocks import BlockTable
 from specmesh_server.kv_cache import SlotKVCache, bytes_per_position, default_budget_bytes
 from specmesh_server.model_loading import head_dim as model_head_dim
@@ -68,11 +69,15 @@ class ModelRunner:
         ``shard``, ``ranks``: ``model`` is this rank's shard (``tensor_parallel.shard_model``): the cache
         holds its key/value heads, in as many blocks as every rank's budget holds (agreed over ``ranks``).
         ``leader`` (rank 0): every forward and cache copy is first sent to the other ranks.
-        ``lean``: on a CPU without tensor parallelism, Llama layers run through ``lean_llama`` (the same
+        ``lean``: on a CPU in float32 without tensor parallelism, Llama layers run through ``lean_llama`` (the same
         logits from fewer operator calls); False keeps transformers' forward."""
         # Counted before packing (packed layers keep their weights outside nn.Parameters).
         weights = sum(
             p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
+        ) + sum(  # and the layers on GGUF blocks (``gguf_weights``), which hold no parameters
+            m.in_features * m.out_features
+            for name, m in model.named_modules()
+            if isinstance(m, GGUFLinear) and "lm_head" not in name
         )
         self.linears = packed_linear.effective(linears, device, dtype)
         if self.linears != "stock":
@@ -126,7 +131,7 @@ class ModelRunner:
             )
         if supported:
             model.set_attn_implementation(attention.register())
-        if lean and device.type == "cpu" and shard is None and lean_llama.supports(model):
+        if lean and device.type == "cpu" and dtype == torch.float32 and shard is None and lean_llama.supports(model):
             self.decoder = lean_llama.LeanLlama(self.decoder)
         self.static: StaticStep | None = None  # decode and verification steps in static buffers (``use_static``)
 

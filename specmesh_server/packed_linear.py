@@ -87,7 +87,7 @@ class PackedLinear(torch.nn.Module):
         self.gemv_numel = GEMV_ROWS * self.in_features if gemv else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
-        if x.numel() <= self.gemv_numel:
+        if self.plain is not None and x.numel() <= self.gemv_numel:
             return cpu_linear.linear(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -24,6 +24,7 @@ class VerifierConfig:
     threads: int = 0  # torch intra-op threads; 0 = torch's default (under tensor parallelism: the cores / ranks)
     tensor_parallel_size: int = 1  # ranks the target is sharded over (``tensor_parallel``)
     tensor_parallel_timeout_s: float = 60.0  # bound on every collective wait; past it a rank counts as failed
+    weights: str = "fp32"  # fp32, or gguf: the GGUF's own Q4_1 / Q8_0 blocks on the CPU kernel (``gguf_weights``)
     linears: str = "gemv"  # CPU float32: gemv (oneDNN packed + the small-step kernel), packed, stock
     attention: str = "auto"  # tree verification's attention: auto (the Triton kernel on CUDA), triton, sdpa
     cuda_graphs: str = "auto"  # decode/verify steps as static steps: auto (CUDA graphs on CUDA), on, off
@@ -76,6 +77,15 @@ def build_flags() -> ServiceFlags:
         minimum=1.0,
     )
     add_linears_flag(f)
+    f.add(
+        "--weights",
+        "fp32",
+        str,
+        "fp32 = the model's weights in float32 (a GGUF's dequantized once at conversion); gguf = a GGUF model's "
+        "linear layers served from its own Q4_1 / Q8_0 blocks by SpecMesh's CPU kernel (4-bit weights read as "
+        "shipped; CPU, float32, one rank; greedy speculation equals plain decoding over the same blocks)",
+        choices=["fp32", "gguf"],
+    )
     f.add(
         "--attention",
         "auto",
@@ -272,6 +282,8 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
             p.error(f"--admin-address expects HOST:PORT, got {a.admin_address!r}")
         if a.admin_address == a.address:
             p.error("--admin-address must differ from --address")
+    if a.weights == "gguf" and (a.tensor_parallel_size > 1 or a.dtype not in (None, "float32")):
+        p.error("--weights gguf runs on one rank in float32 (the CPU kernel): no --tensor-parallel-size or --dtype")
     proposer_token = token_file(p, a, "proposer_token_file")
     return VerifierConfig(
         address=a.address,
@@ -281,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         threads=a.threads,
         tensor_parallel_size=a.tensor_parallel_size,
         tensor_parallel_timeout_s=a.tensor_parallel_timeout,
+        weights=a.weights,
         linears=a.linears,
         attention=a.attention,
         cuda_graphs=a.cuda_graphs,

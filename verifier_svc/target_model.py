@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING
 
 from specmesh_router.cost_model import LiveStepCost
 from verifier_svc.config import VerifierConfig
-from verifier_svc.kernel_paths import ATTENTION, check_kernel_device, check_kernel_model, describe, static_steps
+from verifier_svc.kernel_paths import (
+    ATTENTION,
+    KernelUnavailable,
+    check_kernel_device,
+    check_kernel_model,
+    describe,
+    static_steps,
+)
 
 if TYPE_CHECKING:
     from specmesh_server.model_loading import LoadedModel
@@ -108,6 +115,27 @@ def _runner(
     )
 
 
+def _gguf_linears(config: VerifierConfig, lm: LoadedModel) -> None:
+    """``--weights gguf``: the linear layers on the GGUF's own blocks (``gguf_weights``), said at start-up."""
+    from specmesh_server.gguf_weights import quantize_linears
+    from specmesh_server.model_loading import gguf_source
+    from specmesh_server.packed_linear import gemv_supported
+
+    if not gemv_supported():
+        raise KernelUnavailable("--weights gguf needs the CPU kernel (AVX2, FMA, F16C and a C++ compiler)")
+    source = gguf_source(config.model)
+    try:
+        counts = quantize_linears(lm.model, source)
+    except ValueError as exc:
+        raise KernelUnavailable(str(exc)) from exc
+    gc.collect()  # the float32 weights of the layers swapped
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    print(
+        f"verifier: weights: the GGUF's own blocks from {source.name} ({kinds} linear layers; --weights gguf)",
+        flush=True,
+    )
+
+
 def _max_context(config: VerifierConfig, lm: LoadedModel) -> int:
     model_max = int(getattr(lm.model.config, "max_position_embeddings", 0) or 4096)
     return min(config.max_context or model_max, model_max)
@@ -132,6 +160,8 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
     # A kernel the flags force must run here: refused now, before the model loads (and imports triton).
     device = pick_device(config.device)
     check_kernel_device(config.attention, config.engine.device_accept, device)
+    if config.weights == "gguf" and device.type != "cpu":
+        raise KernelUnavailable(f"--weights gguf runs on the CPU kernel, not on {device}: use --device cpu")
     kernel = ATTENTION[config.attention]  # --cuda-graphs on where no static step can run: refused now too
     static_steps(
         config.cuda_graphs, device.type == "cuda" if kernel is None else kernel, device, config.tensor_parallel_size
@@ -148,6 +178,8 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
         group = Group(Leader(ranks, watch=watch_spawned(procs)), procs)
     lm, shard = _load(config, where, ranks)
     check_kernel_model(config.attention, lm.model.config)
+    if config.weights == "gguf":
+        _gguf_linears(config, lm)
     max_context = _max_context(config, lm)
     print(
         f"verifier: model {lm.name} from {lm.path} on {lm.device} ({lm.dtype}) in {time.perf_counter() - t0:.1f} s",

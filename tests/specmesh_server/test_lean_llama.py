@@ -16,11 +16,13 @@ from specmesh_server.model_runner import ModelRunner, causal_mask
 
 @pytest.fixture
 def tiny_llama():
-    return support.tiny_llama(tie_word_embeddings=True)
+    # 40 MLP columns: SiLU's vectorised body and scalar tail both run on a step's rows
+    return support.tiny_llama(tie_word_embeddings=True, intermediate_size=40)
 
 
 def _steps(runner: ModelRunner) -> list[torch.Tensor]:
-    """Logits of a prefill, a two-tree verification step (8 tokens) and a plain decode step (2 rows)."""
+    """Logits of a prefill, a two-tree verification step (8 tokens), a plain decode step (2 rows), and
+    one row's prefill and decode step (1 row)."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (2, 25), generator=gen)
     pos = torch.arange(20)[None].expand(2, 20)
@@ -30,17 +32,22 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     write = torch.arange(20, 24)[None].expand(2, 4)
     last = torch.full((2, 1), 24)
     with runner.cache.measurement_rows(2, 32) as rows:
-        return [
+        out = [
             runner.logits(runner.forward(rows, ids[:, :20], pos, causal_mask(pos, 20))),
             runner.logits(runner.forward(rows, ids[:, 20:24], tree_pos, tree_mask, write)),
             runner.logits(runner.forward(rows, ids[:, 24:], last, causal_mask(last, 25), last)),
         ]
+    with runner.cache.measurement_rows(1, 32) as row:
+        out.append(runner.logits(runner.forward(row, ids[:1, :20], pos[:1], causal_mask(pos[:1], 20))))
+        out.append(runner.logits(runner.forward(row, ids[:1, 24:], last[:1] - 4, causal_mask(last[:1] - 4, 21))))
+    return out
 
 
 @pytest.mark.parametrize("linears", ["stock", "packed", "gemv"])
 @pytest.mark.parametrize("block_size", [None, 4])
 def test_the_lean_forward_equals_transformers_forward_bit_for_bit(tiny_llama, linears, block_size):
-    """Slot and paged caches; prefill (oneDNN or stock), tree steps, decode steps (the fused kernel)."""
+    """Slot and paged caches; prefill (oneDNN or stock), tree steps, decode steps of 1 and 2 rows (with
+    gemv, the fused kernel)."""
     runners = [
         ModelRunner(copy.deepcopy(tiny_llama), torch.device("cpu"), torch.float32, 256, linears=linears,
                     block_size=block_size, lean=lean)
@@ -48,6 +55,7 @@ def test_the_lean_forward_equals_transformers_forward_bit_for_bit(tiny_llama, li
     ]  # fmt: skip
     stock, lean = runners
     assert isinstance(lean.decoder, lean_llama.LeanLlama) and not isinstance(stock.decoder, lean_llama.LeanLlama)
+    assert (lean.decoder.layers[0].qkv is not None) == (lean.linears == "gemv")
     for want, got in zip(_steps(stock), _steps(lean), strict=True):
         assert torch.equal(got, want)
 
@@ -57,9 +65,32 @@ def test_the_fused_weights_are_the_layers_own_memory(tiny_llama):
     runner = ModelRunner(tiny_llama, torch.device("cpu"), torch.float32, 256, linears="gemv")
     layer = runner.decoder.layers[0]
     attn = tiny_llama.model.layers[0].self_attn
-    assert layer.qkv is not None and layer.qkv.shape == (48 + 2 * 16, 48)  # 6 heads and 2 kv heads of 8
+    assert layer.qkv is not None and layer.qkv.weight.shape == (48 + 2 * 16, 48)  # 6 heads and 2 kv heads of 8
     for part, offset in ((attn.q_proj, 0), (attn.k_proj, 48), (attn.v_proj, 64)):
-        assert part.plain.data_ptr() == layer.qkv[offset].data_ptr()
+        assert part.plain.data_ptr() == layer.qkv.weight[offset].data_ptr()
+
+
+@pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_over_gguf_blocks_the_lean_forward_equals_transformers_forward_over_them(block_size):
+    """Every linear on Q4_1 blocks (the head on Q8_0): fused q/k/v and gate/up products at every step size."""
+    from gguf import GGMLQuantizationType, quantize
+
+    from specmesh_server.gguf_weights import GGUFLinear
+
+    model = support.tiny_llama(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    swaps = [(p, n, c) for p in model.modules() for n, c in p.named_children() if isinstance(c, torch.nn.Linear)]
+    for parent, name, linear in swaps:
+        kind = GGMLQuantizationType.Q8_0 if name == "lm_head" else GGMLQuantizationType.Q4_1
+        blocks = torch.from_numpy(quantize(linear.weight.detach().numpy(), kind).copy())
+        setattr(parent, name, GGUFLinear(blocks, int(kind), linear.in_features))
+    stock, lean = (
+        ModelRunner(copy.deepcopy(model), torch.device("cpu"), torch.float32, 256, block_size=block_size, lean=lean)
+        for lean in (False, True)
+    )
+    assert lean.decoder.layers[0].qkv.kind == int(GGMLQuantizationType.Q4_1)
+    for want, got in zip(_steps(stock), _steps(lean), strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize(
@@ -70,3 +101,9 @@ def test_layers_it_does_not_compute_keep_transformers_forward(overrides):
     model = support.tiny_llama(**overrides)
     runner = ModelRunner(model, torch.device("cpu"), torch.float32, 256)
     assert not lean_llama.supports(model) and not isinstance(runner.decoder, lean_llama.LeanLlama)
+
+
+def test_half_precision_keeps_transformers_forward(tiny_llama):
+    """transformers' RMSNorm rounds to the weight's dtype before its product; torch.rms_norm after."""
+    runner = ModelRunner(tiny_llama.to(torch.bfloat16), torch.device("cpu"), torch.bfloat16, 256)
+    assert lean_llama.supports(tiny_llama) and not isinstance(runner.decoder, lean_llama.LeanLlama)
