@@ -26,6 +26,7 @@ import time
 
 import torch
 from common import cpu_name
+from gpu_kit.numbers import wall_ms
 
 from specmesh_bench.report import bootstrap_interval
 
@@ -46,21 +47,11 @@ LINEAR_OPS = (
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax")
 
 
-def median_ms(f, n: int = 15) -> float:
-    f()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def weight_read_ms(model: torch.nn.Module) -> tuple[float, float]:
     """(ms to read every linear weight once, their MB)."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
-    return median_ms(lambda: [w.sum() for w in weights]), mb
+    return wall_ms(lambda: [w.sum() for w in weights], reps=15), mb
 
 
 class Step:

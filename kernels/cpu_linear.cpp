@@ -40,6 +40,13 @@ inline void rows_dot(const float* x, const float* w, int64_t K, float* y) {
   }
 }
 
+// A float32 output [..., N] for x [..., K].
+inline at::Tensor rows_out(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  return at::empty(sizes, x.options().dtype(at::kFloat));
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "specmesh_cpu::linear: CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "specmesh_cpu::linear: float32");
@@ -47,9 +54,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const int64_t N = w.size(0), K = w.size(1);
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
   const int64_t M = xc.numel() / K;
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
+  at::Tensor y = rows_out(x, N);
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -117,9 +122,7 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
   TORCH_CHECK(K % 32 == 0 && blocks.size(1) == nb * block_bytes, "specmesh_cpu::linear_gguf: x [..., K] and blocks [N, K / 32 · ", block_bytes, "]");
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   const int64_t M = xc.numel() / K;
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
+  at::Tensor y = rows_out(x, N);
   const float* xp = xc.data_ptr<float>();
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();

@@ -129,5 +129,5 @@ def add_linears_flag(flags: ServiceFlags) -> None:
         "CPU float32: packed = linear layers through oneDNN with weights packed once at start-up "
         "(faster multi-token steps); gemv = packed, and steps of at most 4 rows through SpecMesh's "
         "AVX2 matrix-vector kernel (faster decode; the weights held twice); stock = transformers' own",
-        choices=["gemv", "packed", "stock"],
+        choices=list(LINEARS),
     )

@@ -32,6 +32,33 @@ def tiny_llama(**overrides):
     return LlamaForCausalLM(LlamaConfig(**(cfg | overrides))).eval()
 
 
+def runner_steps(runner):
+    """A ``ModelRunner``'s logits of a prefill, a two-tree verification step (8 tokens), a plain decode
+    step (2 rows), and one row's prefill and decode step (1 row)."""
+    import torch
+
+    from specmesh_server.model_runner import causal_mask
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 25), generator=gen)
+    pos = torch.arange(20)[None].expand(2, 20)
+    tree_pos = torch.tensor([[20, 21, 21, 22], [20, 21, 22, 22]])  # two trees, by depth
+    tree_mask = causal_mask(torch.arange(20, 24)[None].expand(2, 4), 24)
+    tree_mask[0, 2, 21], tree_mask[1, 3, 22] = False, False  # siblings do not see each other
+    write = torch.arange(20, 24)[None].expand(2, 4)
+    last = torch.full((2, 1), 24)
+    with runner.cache.measurement_rows(2, 32) as rows:
+        out = [
+            runner.logits(runner.forward(rows, ids[:, :20], pos, causal_mask(pos, 20))),
+            runner.logits(runner.forward(rows, ids[:, 20:24], tree_pos, tree_mask, write)),
+            runner.logits(runner.forward(rows, ids[:, 24:], last, causal_mask(last, 25), last)),
+        ]
+    with runner.cache.measurement_rows(1, 32) as row:
+        out.append(runner.logits(runner.forward(row, ids[:1, :20], pos[:1], causal_mask(pos[:1], 20))))
+        out.append(runner.logits(runner.forward(row, ids[:1, 24:], last[:1] - 4, causal_mask(last[:1] - 4, 21))))
+    return out
+
+
 def greedy_prompt_ids(chat_ids) -> list[list[int]]:
     """The ≥ 20 templated workload prompts (4 per category, short) the greedy-equality tests run."""
     texts = workload_prompts(per_category=4, max_chars=600)

@@ -11,36 +11,13 @@ import torch
 
 from specmesh_kernels import cpu_linear
 from specmesh_server import lean_llama
-from specmesh_server.model_runner import ModelRunner, causal_mask
+from specmesh_server.model_runner import ModelRunner
 
 
 @pytest.fixture
 def tiny_llama():
     # 40 MLP columns: SiLU's vectorised body and scalar tail both run on a step's rows
     return support.tiny_llama(tie_word_embeddings=True, intermediate_size=40)
-
-
-def _steps(runner: ModelRunner) -> list[torch.Tensor]:
-    """Logits of a prefill, a two-tree verification step (8 tokens), a plain decode step (2 rows), and
-    one row's prefill and decode step (1 row)."""
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (2, 25), generator=gen)
-    pos = torch.arange(20)[None].expand(2, 20)
-    tree_pos = torch.tensor([[20, 21, 21, 22], [20, 21, 22, 22]])  # two trees, by depth
-    tree_mask = causal_mask(torch.arange(20, 24)[None].expand(2, 4), 24)
-    tree_mask[0, 2, 21], tree_mask[1, 3, 22] = False, False  # siblings do not see each other
-    write = torch.arange(20, 24)[None].expand(2, 4)
-    last = torch.full((2, 1), 24)
-    with runner.cache.measurement_rows(2, 32) as rows:
-        out = [
-            runner.logits(runner.forward(rows, ids[:, :20], pos, causal_mask(pos, 20))),
-            runner.logits(runner.forward(rows, ids[:, 20:24], tree_pos, tree_mask, write)),
-            runner.logits(runner.forward(rows, ids[:, 24:], last, causal_mask(last, 25), last)),
-        ]
-    with runner.cache.measurement_rows(1, 32) as row:
-        out.append(runner.logits(runner.forward(row, ids[:1, :20], pos[:1], causal_mask(pos[:1], 20))))
-        out.append(runner.logits(runner.forward(row, ids[:1, 24:], last[:1] - 4, causal_mask(last[:1] - 4, 21))))
-    return out
 
 
 @pytest.mark.parametrize("linears", ["stock", "packed", "gemv"])
@@ -56,7 +33,7 @@ def test_the_lean_forward_equals_transformers_forward_bit_for_bit(tiny_llama, li
     stock, lean = runners
     assert isinstance(lean.decoder, lean_llama.LeanLlama) and not isinstance(stock.decoder, lean_llama.LeanLlama)
     assert (lean.decoder.layers[0].qkv is not None) == (lean.linears == "gemv")
-    for want, got in zip(_steps(stock), _steps(lean), strict=True):
+    for want, got in zip(support.runner_steps(stock), support.runner_steps(lean), strict=True):
         assert torch.equal(got, want)
 
 
@@ -89,7 +66,7 @@ def test_over_gguf_blocks_the_lean_forward_equals_transformers_forward_over_them
         for lean in (False, True)
     )
     assert lean.decoder.layers[0].qkv.kind == int(GGMLQuantizationType.Q4_1)
-    for want, got in zip(_steps(stock), _steps(lean), strict=True):
+    for want, got in zip(support.runner_steps(stock), support.runner_steps(lean), strict=True):
         assert torch.equal(got, want)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from specmesh_kernels import cpu_linear
 from specmesh_server import packed_linear
-from specmesh_server.model_runner import ModelRunner, causal_mask
+from specmesh_server.model_runner import ModelRunner
 from specmesh_server.packed_linear import GEMV_ROWS, PackedLinear, linear_reference, pack_linears, supported
 
 pytestmark = pytest.mark.skipif(
@@ -114,19 +114,6 @@ def test_packed_runner_gives_the_stock_runners_logits_on_prefill_and_a_tree_step
     stock = ModelRunner(copy.deepcopy(tiny_llama), torch.device("cpu"), torch.float32, 256)
     packed = ModelRunner(copy.deepcopy(tiny_llama), torch.device("cpu"), torch.float32, 256, linears=linears)
     assert (packed.linears, stock.linears) == (packed_linear.effective(linears, packed.device, packed.dtype), "stock")
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (2, 25), generator=gen)
-    pos = torch.arange(20)[None].expand(2, 20)
-    tree_pos = torch.tensor([[20, 21, 21, 22], [20, 21, 22, 22]])  # two trees, by depth
-    tree_mask = causal_mask(torch.arange(20, 24)[None].expand(2, 4), 24)
-    tree_mask[0, 2, 21], tree_mask[1, 3, 22] = False, False  # siblings do not see each other
-    write = torch.arange(20, 24)[None].expand(2, 4)
-    out = []
-    for runner in (stock, packed):
-        prefill = runner.logits(runner.forward(slice(0, 2), ids[:, :20], pos, causal_mask(pos, 20)))
-        step = runner.logits(runner.forward(slice(0, 2), ids[:, 20:24], tree_pos, tree_mask, write))
-        last = torch.full((2, 1), 24)  # a plain decode step: 2 rows, the kernel's side of GEMV_ROWS
-        decode = runner.logits(runner.forward(slice(0, 2), ids[:, 24:], last, causal_mask(last, 25), last))
-        out.append((prefill, step, decode))
+    out = [support.runner_steps(runner) for runner in (stock, packed)]
     for want, got in zip(out[0], out[1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
