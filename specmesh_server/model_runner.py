@@ -238,7 +238,7 @@ def _agreed_min(value: int, ranks: Ranks) -> int:
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ranks.control)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ranks.start)
     return int(t.item())
 
 

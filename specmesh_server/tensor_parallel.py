@@ -237,6 +237,9 @@ class Ranks:
     control: Any  # rank 0's operations and heartbeats (always gloo: Python objects on the host)
     timeout_s: float
     host: HostAllReduce | None = None  # one host's CPU ranks: all-reduces through shared memory
+    # Start-up's own meetings (the load's turns, the KV budget's agreement): gloo, bounded by
+    # START_TIMEOUT_S, since a rank may load for longer than a serving collective may wait.
+    start: Any = None
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum ``t`` over the ranks in place: through shared memory where it fits, else the group."""
@@ -273,23 +276,24 @@ def init_ranks(
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
+    meet = dist.new_group(backend="gloo", timeout=start)
     host = None
     if one_host and device.type == "cpu" and supported():
         # One name per group: rank 0 draws it and tells the others.
         name = [f"/dev/shm/specmesh-tp-{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
-        dist.broadcast_object_list(name, src=0, group=control)
+        dist.broadcast_object_list(name, src=0, group=meet)
         host = HostAllReduce(name[0], rank, world, HOST_CAPACITY, timeout_s)
         try:
             if rank == 0:
                 host.create()
-            dist.barrier(group=control)
+            dist.barrier(group=meet)
             if rank != 0:
                 host.attach()
-            dist.barrier(group=control)
+            dist.barrier(group=meet)
         finally:
             if rank == 0:
                 host.unlink()  # mapped by every rank now (or start-up failed): nothing stays in /dev/shm
-    return Ranks(rank, world, dist.group.WORLD, control, timeout_s, host)
+    return Ranks(rank, world, dist.group.WORLD, control, timeout_s, host, meet)
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -352,8 +356,8 @@ class Leader:
         return self._failed
 
     def start(self) -> None:
-        """Start the heartbeat and the watch: once start-up's own collectives on the control group
-        (the load's turns, the KV budget's agreement) are over, every later one goes through :meth:`send`."""
+        """Start the heartbeat and the watch, once start-up is over: every later collective on the
+        control group goes through :meth:`send`."""
         self._thread.start()
 
     def send(self, op: str, *args: Any) -> None:

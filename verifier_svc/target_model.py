@@ -85,8 +85,17 @@ def _load(config: VerifierConfig, where: Placement | None, ranks: Ranks | None) 
             shard_model(lm.model, shard, ranks.all_reduce)
             lm.model.to(where.device)
             gc.collect()  # the whole model's cut-off parts
-        dist.barrier(group=ranks.control)
+        dist.barrier(group=ranks.start)
     return dataclasses.replace(lm, device=where.device), shard
+
+
+def _ready(ranks: Ranks) -> None:
+    """Every rank's runner built: from here rank 0 sends operations (or heartbeats) and the others
+    wait for them, each wait bounded by --tensor-parallel-timeout. Until here (a slow rank loading,
+    packing, allocating its KV cache) the ranks meet on the start-up group's longer bound."""
+    import torch.distributed as dist
+
+    dist.barrier(group=ranks.start)
 
 
 def _runner(
@@ -144,7 +153,9 @@ def _max_context(config: VerifierConfig, lm: LoadedModel) -> int:
 def load_shard(config: VerifierConfig, where: Placement, ranks: Ranks) -> ModelRunner:
     """Ranks 1..N-1: this rank's shard in a runner built as rank 0 builds its own."""
     lm, shard = _load(config, where, ranks)
-    return _runner(config, lm, _max_context(config, lm), shard, ranks)
+    runner = _runner(config, lm, _max_context(config, lm), shard, ranks)
+    _ready(ranks)
+    return runner
 
 
 def load_target(config: VerifierConfig, where: Placement | None = None, spawned: list | None = None) -> LoadedTarget:
@@ -193,6 +204,8 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
             flush=True,
         )
     runner = _runner(config, lm, max_context, shard, ranks, group.leader if group is not None else None)
+    if ranks is not None:
+        _ready(ranks)
     kv_bytes = runner.cache.allocated_bytes
     paths = describe(runner.tree_kernel, runner.packs, config.engine.device_accept, lm.device)
     print(f"verifier: {paths}", flush=True)
