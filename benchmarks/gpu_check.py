@@ -125,13 +125,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default: %(default)s)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset (default: all)")
     ap.add_argument(
+        "--box",
+        action="append",
+        default=[],
+        metavar="SECTION=SECONDS",
+        help="a section's own time box for this run, e.g. end_to_end=200 (repeatable; --budget still caps all)",
+    )
+    ap.add_argument(
         "--tokenizer",
         default=None,
         help="folder with tokenizer.json (default: .whl/tokenizer, else the default model's)",
     )
     ap.add_argument("--work", default=None, help="scratch folder (default: a new temporary one)")
     args = ap.parse_args(argv)
-    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    boxes = {}
+    for item in args.box:
+        name, _, seconds = item.partition("=")
+        try:
+            boxes[name] = float(seconds)
+        except ValueError:
+            ap.error(f"--box {item}: want SECTION=SECONDS")
+    unknown = (set(args.sections.split(",")) | set(boxes)) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown sections: {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
 
@@ -170,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in args.sections.split(","):
         module, fn, budget = SECTIONS[name]
+        budget = boxes.get(name, budget)
         report.run(name, getattr(importlib.import_module(module), fn), ctx, budget * scale, total)
     print(f"gpu-check: report in {out}/gpu-report.md ({time.monotonic() - started:.0f} s)", flush=True)
     bad = [s.name for s in report.sections if s.status in ("fail", "error")]

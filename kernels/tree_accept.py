@@ -293,6 +293,77 @@ def tree_links(
     return first_child.to(torch.int32), nxt[req, local].to(torch.int32)
 
 
+@dataclass(frozen=True)
+class WalkInputs:
+    """What the kernel reads besides the target's rows, derived from the trees, the greedy flags and
+    the uniforms (:func:`walk_inputs`) wherever those lie: on the host, so the caller can bring them to
+    the device in one staged copy (every field a contiguous tensor; ``dataclasses.astuple`` order).
+
+    row_offsets int32 [b + 1]; tokens int64 [nodes]; first_child int32 [rows]; next_sibling int32
+    [nodes]; stochastic int8 [b]; draft_ids int64 [nodes, K]; q float64 [nodes, K] (normalised);
+    qx float64 [nodes] (q of the node's own token); greedy int8 [b]; uniforms float64 [b, depth, salt].
+    """
+
+    row_offsets: torch.Tensor
+    tokens: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+    stochastic: torch.Tensor
+    draft_ids: torch.Tensor
+    q: torch.Tensor
+    qx: torch.Tensor
+    greedy: torch.Tensor
+    uniforms: torch.Tensor
+
+
+def walk_inputs(trees: PackedTrees, greedy: torch.Tensor, uniforms: torch.Tensor, max_nodes: int) -> WalkInputs:
+    """The kernel's inputs that do not depend on the target (links, q normalised, flags), computed on
+    the trees' device; ``max_nodes``: the host bound on nodes per tree.
+
+    >>> w = walk_inputs(PackedTrees.from_lists([[7, 8]], [[-1, 0]]), torch.tensor([True]),
+    ...                 torch.zeros(1, 3, 3, dtype=torch.float64), 2)
+    >>> w.first_child.tolist(), w.next_sibling.tolist(), w.greedy.tolist()   # root → node 0 → node 1
+    ([0, 1, -1], [-1, -1], [1])
+    """
+    n_req = trees.row_offsets.shape[0] - 1
+    n_nodes = trees.tokens.shape[0]
+    if trees.parents.shape != (n_nodes,):
+        raise ValueError(f"parents must be [{n_nodes}], got {tuple(trees.parents.shape)}")
+    if trees.draft_ids.shape != trees.draft_probs.shape or trees.draft_ids.shape[0] != n_nodes:
+        raise ValueError("draft_ids / draft_probs must both be [nodes, K]")
+    if greedy.shape != (n_req,):
+        raise ValueError(f"greedy must be [{n_req}], got {tuple(greedy.shape)}")
+    if max_nodes > MAX_NODES:
+        raise ValueError(f"{max_nodes} nodes: tree acceptance takes at most {MAX_NODES}")
+    n = max_nodes + 1
+    if (
+        uniforms.dtype != torch.float64
+        or uniforms.dim() != 3
+        or uniforms.shape[0] != n_req
+        or min(uniforms.shape[1:]) < n
+    ):
+        raise ValueError(
+            f"uniforms must be float64 [{n_req}, >= {n}, >= {n}], got {uniforms.dtype} {tuple(uniforms.shape)}"
+        )
+    q = trees.draft_probs.to(torch.float64)
+    q = q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)  # as the host walk normalises
+    own = trees.draft_ids == trees.tokens[:, None]  # [nodes, K]: where each node's token sits in its q
+    qx = torch.where(own, q, torch.zeros_like(q)).sum(dim=-1)  # [nodes] q(x) of the node's own token
+    first_child, next_sibling = tree_links(trees.row_offsets, trees.parents, max_nodes, n_nodes + n_req)
+    return WalkInputs(
+        trees.row_offsets.to(torch.int32).contiguous(),
+        trees.tokens.contiguous(),
+        first_child.contiguous(),
+        next_sibling.contiguous(),
+        trees.stochastic.to(torch.int8),
+        trees.draft_ids.contiguous(),
+        q.contiguous(),
+        qx.contiguous(),
+        greedy.to(torch.int8),
+        uniforms.contiguous(),
+    )
+
+
 def tree_accept_kernel_launch(
     probs: torch.Tensor,
     argmax: torch.Tensor,
@@ -314,62 +385,50 @@ def tree_accept_kernel_launch(
     device, unused path entries -1. ``any_sampled``: host knowledge of whether ``greedy`` has a False
     (the size of the residual scratch); read from the device, a sync, when omitted.
     """
-    n_req = trees.row_offsets.shape[0] - 1
+    if max_nodes is None:
+        max_nodes = trees.max_nodes
+    if any_sampled is None:
+        any_sampled = bool((~greedy.to(torch.bool)).any())
+    return walk_launch(probs, argmax, walk_inputs(trees, greedy, uniforms, max_nodes), max_nodes, any_sampled)
+
+
+def walk_launch(
+    probs: torch.Tensor, argmax: torch.Tensor, walk: WalkInputs, max_nodes: int, any_sampled: bool
+) -> torch.Tensor:
+    """The kernel over inputs already on ``probs``' device (:func:`walk_inputs`, e.g. computed on the
+    host and copied in one go): the launch of :func:`tree_accept_kernel_launch`, without its
+    preparation. Nothing here reads the device."""
+    n_req = walk.row_offsets.shape[0] - 1
     rows, vocab = probs.shape
     if probs.dim() != 2 or probs.stride(1) != 1 or probs.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"probs must be fp32/fp64 [rows, vocab] with a contiguous vocab axis: {probs.shape}")
     if argmax.shape != (rows,) or argmax.dtype != torch.int64:
         raise ValueError(f"argmax must be int64 [{rows}], got {argmax.dtype} {tuple(argmax.shape)}")
-    n_nodes = trees.tokens.shape[0]
-    if rows != n_nodes + n_req or trees.parents.shape != (n_nodes,):
+    n_nodes = walk.tokens.shape[0]
+    if rows != n_nodes + n_req:
         raise ValueError(f"{rows} target rows for {n_req} requests and {n_nodes} nodes (want nodes + requests)")
-    if trees.draft_ids.shape != trees.draft_probs.shape or trees.draft_ids.shape[0] != n_nodes:
-        raise ValueError("draft_ids / draft_probs must both be [nodes, K]")
-    if greedy.shape != (n_req,):
-        raise ValueError(f"greedy must be [{n_req}], got {tuple(greedy.shape)}")
-    if max_nodes is None:
-        max_nodes = trees.max_nodes
-    if max_nodes > MAX_NODES:
-        raise ValueError(f"{max_nodes} nodes: tree acceptance takes at most {MAX_NODES}")
-    n = max_nodes + 1
-    if (
-        uniforms.dtype != torch.float64
-        or uniforms.dim() != 3
-        or uniforms.shape[0] != n_req
-        or min(uniforms.shape[1:]) < n
-    ):
-        raise ValueError(
-            f"uniforms must be float64 [{n_req}, >= {n}, >= {n}], got {uniforms.dtype} {tuple(uniforms.shape)}"
-        )
     dev = probs.device
     out = torch.full((n_req, 2 + max_nodes), -1, dtype=torch.int64, device=dev)
     if n_req == 0:
         return out
     row_sum = probs.sum(dim=-1, dtype=torch.float64)  # [rows]
-    q = trees.draft_probs.to(torch.float64)
-    q = q / q.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)  # as the host walk normalises
-    if any_sampled is None:
-        any_sampled = bool((~greedy.to(torch.bool)).any())
     scratch = torch.empty(n_req if any_sampled else 1, vocab, dtype=torch.float64, device=dev)
-    u = uniforms.contiguous()  # [b, depth, salt]
-    first_child, next_sibling = tree_links(trees.row_offsets, trees.parents, max_nodes, rows)
-    own = trees.draft_ids == trees.tokens[:, None]  # [nodes, K]: where each node's token sits in its q
-    qx = torch.where(own, q, torch.zeros_like(q)).sum(dim=-1)  # [nodes] q(x) of the node's own token
-    k = trees.draft_ids.shape[1]
+    u = walk.uniforms  # [b, depth, salt]
+    k = walk.draft_ids.shape[1]
     kernel = runnable(_tree_accept_kernel, dev)
     kernel[(n_req,)](
         probs,
         row_sum,
         argmax,
-        trees.row_offsets,
-        trees.tokens,
-        first_child,
-        next_sibling,
-        trees.stochastic.to(torch.int8),
-        trees.draft_ids,
-        q,
-        qx,
-        greedy.to(torch.int8),
+        walk.row_offsets,
+        walk.tokens,
+        walk.first_child,
+        walk.next_sibling,
+        walk.stochastic,
+        walk.draft_ids,
+        walk.q,
+        walk.qx,
+        walk.greedy,
         u,
         scratch,
         out,

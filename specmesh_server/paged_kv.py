@@ -46,6 +46,7 @@ import torch
 
 from specmesh_server.kv_blocks import BlockManager, BlockPool, BlockTable
 from specmesh_server.kv_cache import bytes_per_position
+from specmesh_server.staging import upload
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -411,7 +412,7 @@ class PagedKVCache:
         """Every layer's keys and values at flat slots ``src`` (int64 [m]) to slots ``dst``, in one copy
         (the source is read whole before any of it is written, so the two may overlap)."""
         if src.numel():
-            src, dst = src.to(self.device), dst.to(self.device)
+            src, dst = upload([src, dst], self.device)  # one copy, no wait for the device
             self._pools[:, :, :, dst] = self._pools[:, :, :, src]
 
     # Methods transformers may probe on a cache object.

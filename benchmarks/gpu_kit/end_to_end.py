@@ -5,7 +5,8 @@ Per dtype (fp32, and bf16 on a GPU) and kernel setting (graphs: ``--attention tr
 on a CPU, graphs runs the static step eagerly) one verifier process serves the random-weight target with three
 proposers: n-gram (in process), suffix (its own service, where numba is importable) and the oracle
 (this process; it proposes ``generate()``'s own continuation, so trees are deep and mostly accepted).
-Every greedy output must equal ``generate()`` of the same model on the same device and dtype.
+Every greedy output must equal ``generate()`` of the same model on the same device and dtype; and with
+graphs in fp32, seeded sampled requests follow the target's softmax (``sampled``).
 
 Near-tie rule: where an output first differs, the reference model scores that prefix; the difference is
 a near-tie, not a failure, when the verifier's token is within ``NEAR_TIE[dtype] · max(1, |top logit|)``
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from gpu_kit.context import CheckContext, model_folder
 from gpu_kit.report import Deadline, Section
+from gpu_kit.sampled import sampled_check
 
 NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 2**-5, torch.float16: 2**-8}
 # kernels → (--attention, --device-accept, --cuda-graphs); "graphs" first: what a GPU verifier runs by default.
@@ -239,6 +241,8 @@ def end_to_end_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
                             ])  # fmt: skip
                             if counts[2]:
                                 sec.fail(f"{counts[2]} outputs differ from generate() beyond a near-tie: {t.rows[-1]}")
+                    if kernels == "graphs" and dtype == torch.float32 and deadline.left() > 40:
+                        sampled_check(ctx, sec, ref, verifier.address, oracle, batch[0][-64:])
                 finally:
                     verifier.stop()
                     if verifier.proc.returncode not in (0, -15, None):

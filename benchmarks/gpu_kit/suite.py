@@ -17,7 +17,7 @@ from gpu_kit.report import Deadline, Section
 GPU_TESTS = (
     "tests/kernels/test_tree_attention.py", "tests/kernels/test_tree_accept.py",
     "tests/verifier_svc/test_kernel_flags.py", "tests/verifier_svc/test_acceptance.py",
-    "tests/specmesh_server/test_static_step.py",
+    "tests/specmesh_server/test_static_step.py", "tests/specmesh_server/test_staging.py",
 )  # fmt: skip
 QUICK_TESTS = ("tests/kernels/test_tree_attention.py", "tests/verifier_svc/test_kernel_flags.py")
 
