@@ -71,12 +71,12 @@ def unpack_bundle(root: Path) -> None:
     tokenizer into ``.whl/tokenizer``."""
     import zipfile
 
+    if sys.version_info[:2] != BUNDLE_PYTHON:  # cp312 wheels: this python could not import them (nor is this
+        return  # the GPU machine: a dry run here leaves .whl/ as bundled, within the carry's size)
     packed = root / ".whl" / "tokenizer.zip"  # the default model's tokenizer files, zipped to fit the carry
     if packed.is_file() and not (root / ".whl" / "tokenizer" / "tokenizer.json").is_file():
         with zipfile.ZipFile(packed) as z:
             z.extractall(root / ".whl" / "tokenizer")
-    if sys.version_info[:2] != BUNDLE_PYTHON:  # cp312 wheels: this python could not import them
-        return
     for wheels, site in (("*.whl", "site"), ("fallback/*.whl", "fallback-site")):
         found = sorted((root / ".whl").glob(wheels))
         stamp = root / ".whl" / site / ".unpacked"

@@ -12,12 +12,11 @@ share worth testing.
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from gpu_kit.context import CheckContext
+from gpu_kit.context import CheckContext, suite_support
 from gpu_kit.report import Section
 
 TEMPERATURES = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05)
@@ -41,9 +40,8 @@ def sampled_check(ctx: CheckContext, sec: Section, ref: Any, address: str, oracl
     from specmesh.client import Client
     from specmesh.params import SamplingParams, SpecDecodeParams
 
-    sys.path.insert(0, str(ctx.root / "tests"))
-    from support import chi_square, chi_square_critical
-
+    support = suite_support(ctx.root)
+    chi_square, chi_square_critical = support.chi_square, support.chi_square_critical
     continuation = ref.greedy(prompt, 8)
     first_token = continuation[0]
     logits = ref.model(torch.tensor([[*prompt, first_token]], device=ref.device)).logits[0, -2:].float().cpu()
