@@ -190,6 +190,9 @@ def end_to_end_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
     )
     # The dry run leaves out "on": on a CPU "graphs" runs the same kernels (as the static step), eagerly.
     runs = [(d, k) for d in ctx.dtypes for k in KERNELS if not (ctx.quick and k == "on")]
+    if os.environ.get("SPECMESH_CHECK_E2E_RUNS"):  # e.g. "float32:graphs,float32:on": a rerun of some items
+        wanted = set(os.environ["SPECMESH_CHECK_E2E_RUNS"].split(","))
+        runs = [(d, k) for d, k in runs if f"{str(d).removeprefix('torch.')}:{k}" in wanted]
     proposers = ["ngram", "oracle"] + (["suffix"] if suffix else [])
     done = 0
     try:
@@ -215,12 +218,16 @@ def end_to_end_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
                 args += ["--threads", "2"] if not ctx.cuda else []
                 t0 = time.monotonic()
                 verifier = start(ctx, "verifier", args, min(120.0, max(30.0, deadline.left())))
-                paths = next((ln for ln in verifier.log.read_text().splitlines() if "tree attention" in ln), "?")
+                lines = verifier.log.read_text().splitlines()
+                paths = next((ln for ln in lines if "tree attention" in ln), "?")
+                timed = [ln.removeprefix("verifier: ") for ln in lines if " in " in ln and " s" in ln][:4]
                 sec.notes.append(
                     f"verifier {str(dtype).removeprefix('torch.')}, kernels {kernels}: up in "
-                    f"{time.monotonic() - t0:.1f} s; {paths.removeprefix('verifier: ')}"
+                    f"{time.monotonic() - t0:.1f} s; {paths.removeprefix('verifier: ')}; start-up: {' | '.join(timed)}"
                 )
                 try:
+                    if kernels == "graphs" and dtype == torch.float32 and deadline.left() > 40:
+                        sampled_check(ctx, sec, ref, verifier.address, oracle, batch[0][-64:])
                     for proposer in proposers:
                         for concurrent in (1, 8):
                             if deadline.spent():
@@ -241,8 +248,6 @@ def end_to_end_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
                             ])  # fmt: skip
                             if counts[2]:
                                 sec.fail(f"{counts[2]} outputs differ from generate() beyond a near-tie: {t.rows[-1]}")
-                    if kernels == "graphs" and dtype == torch.float32 and deadline.left() > 40:
-                        sampled_check(ctx, sec, ref, verifier.address, oracle, batch[0][-64:])
                 finally:
                     verifier.stop()
                     if verifier.proc.returncode not in (0, -15, None):
