@@ -77,7 +77,7 @@ def bounded_tag(tag: str, allowed: Collection[str]) -> str:
 def fallback_category(reason: str) -> str:
     """A bounded label for a free-text fallback reason (engine / proposer session messages).
 
-    >>> fallback_category("proposer 'draft' sent no tree for 2.0 s")
+    >>> fallback_category("proposer 'draft' answered nothing for 2.0 s")
     'timeout'
     >>> fallback_category("proposer 'rag' failed: UNAVAILABLE: failed to connect to all addresses")
     'unavailable'
@@ -86,7 +86,7 @@ def fallback_category(reason: str) -> str:
     """
     text = reason.lower()
     for pattern, category in (
-        (r"sent no tree|deadline_exceeded|timed? ?out", "timeout"),
+        (r"answered nothing|deadline_exceeded|timed? ?out", "timeout"),
         (r"unavailable|failed to connect|connection refused", "unavailable"),
         (r"ended the stream|cancelled", "stream_ended"),
         (r"failed_precondition", "precondition"),

@@ -56,6 +56,16 @@ EMPTY_TREE = TokenTree([], [])
 OutputHook = Callable[[GenerationRequest, list[int], Collection[str]], None]
 
 
+def silent_reason(proposer: str, timeout_s: float) -> str:
+    """The fallback reason of a proposer that sent nothing for ``timeout_s`` (``/metrics`` counts it as a
+    timeout: ``metrics.fallback_category``).
+
+    >>> silent_reason("draft", 2.0)
+    "proposer 'draft' answered nothing for 2.0 s"
+    """
+    return f"proposer {proposer!r} answered nothing for {timeout_s} s"
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     proposer_wait_ms: float = 5.0  # per step, the longest wait for a request's tree
@@ -199,7 +209,7 @@ class SpeculationControl:
                 tree = truncate(tree, state.k_cap)
         elif now - max(state.last_tree, state.session.last_response) > self.config.proposer_timeout_s:
             timeout = self.config.proposer_timeout_s
-            self._drop(state, f"proposer {state.counters.proposer!r} answered nothing for {timeout} s")
+            self._drop(state, silent_reason(state.counters.proposer, timeout))
         return tree
 
     def _cost(self, seqs: list[Sequence]) -> CostFn:

@@ -3,10 +3,15 @@ only queue events; the thread takes every queued one at once, applies them, and 
 
 from __future__ import annotations
 
+import logging
 import queue
 from typing import Any
 
+from specmesh_server.log_limit import RateLimitedLog
 from specmesh_server.torch_thread import ThreadLoop, TorchThread
+
+log = logging.getLogger(__name__)
+errors = RateLimitedLog(log)  # a persistent failure repeats every event: one line per 10 s
 
 
 class EventThread:
@@ -15,6 +20,7 @@ class EventThread:
     has one OpenMP team (``specmesh_server.torch_thread``); default a new one."""
 
     def __init__(self, name: str, thread: TorchThread | None = None) -> None:
+        self.name = name
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = ThreadLoop(self._run, name, thread)
 
@@ -30,6 +36,27 @@ class EventThread:
 
     def _run(self) -> None:
         raise NotImplementedError
+
+    def _apply(self, event: Any) -> None:
+        """Apply one stream's event (a subclass's)."""
+        raise NotImplementedError
+
+    def _end(self, key: Any) -> None:
+        """End the stream ``key`` (its deliver told None), after one of its events failed."""
+        raise NotImplementedError
+
+    def _apply_all(self, events: list[Any]) -> None:
+        """Apply ``events`` in order. One that raises (a bug, a malformed message) is logged and ends its
+        own stream (``_end(event.key)``); the others are still applied and the thread goes on serving."""
+        for ev in events:
+            try:
+                self._apply(ev)
+            except Exception:
+                errors.error(type(ev), "%s: %s failed", self.name, type(ev).__name__, exc_info=True)
+                try:
+                    self._end(getattr(ev, "key", None))
+                except Exception:
+                    errors.error("end", "%s: ending the stream failed", self.name, exc_info=True)
 
     def _events(self) -> list[Any] | None:
         """Blocks for the next event, then takes every queued one; None once stopped."""

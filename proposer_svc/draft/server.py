@@ -74,18 +74,16 @@ class DraftLoop(EventThread):
 
     def _serve(self) -> None:
         while (events := self._events()) is not None:
-            for ev in events:
-                try:
-                    self._apply(ev)
-                except Exception:  # a bug must not stop the loop: end this stream, keep serving the rest
-                    errors.error(type(ev), "draft loop: %s failed", type(ev).__name__, exc_info=True)
-                    got = self._by_key.get(getattr(ev, "key", -1))
-                    if got is not None:
-                        got[1](None)
+            self._apply_all(events)  # one failing event ends its own stream only
             while any(s.wanted for s in self._states):
                 self._propose_round()
                 if self._pending():  # newer Advances first: never draft for a stale context
                     break
+
+    def _end(self, key: int | None) -> None:
+        got = self._by_key.get(key)
+        if got is not None:
+            got[1](None)
 
     def _apply(self, ev: _Open | _Advance | _Close) -> None:
         if isinstance(ev, _Open):

@@ -90,11 +90,17 @@ class HeadLoop(EventThread):
 
     def _run(self) -> None:
         while (events := self._events()) is not None:
-            for ev in events:
-                self._apply(ev)  # several Advances of one request coalesce: the newest context wins
+            # Several Advances of one request coalesce (the newest context wins); one that fails ends its
+            # own stream only.
+            self._apply_all(events)
             owed = [(k, r) for k, r in self._requests.items() if r.wanted]
             for i in range(0, len(owed), self.max_batch):
                 self._draft(owed[i : i + self.max_batch])
+
+    def _end(self, key: int | None) -> None:
+        r = self._requests.pop(key, None)
+        if r is not None:
+            r.deliver(None)
 
     def _apply(self, ev: _Open | _Advance | _Close) -> None:
         if isinstance(ev, _Open):

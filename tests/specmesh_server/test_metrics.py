@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from specmesh.deploy import free_port
 from specmesh_router.stats import AcceptanceStats, InProcessStats, StatsConfig, StatsKey
 from specmesh_server.metrics import ProposerMetrics, RouterStatsCollector, VerifierMetrics, start_metrics_server
+from verifier_svc.speculation import silent_reason
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -49,7 +50,7 @@ def test_metrics_endpoint_serves_the_counters_fed_by_events():
     verifier.decision("ngram", True)
     verifier.decision("ngram", False)
     verifier.invalid_tree("draft", 2)
-    verifier.fallback("draft", "proposer 'draft' sent no tree for 2.0 s")
+    verifier.fallback("draft", silent_reason("draft", 2.0))  # the speculation control's own words
     verifier.track_queue(lambda: (3, 5))
     proposer.session_started()
     proposer.proposal(nodes=12, seconds=0.0004)
