@@ -168,8 +168,8 @@ def candidates(requested: str, policy: SpeculationPolicy, available: tuple[str, 
 class Router:
     """The stateful front of the policy: statistics backend, runtime policy, step cost.
 
-    Thread-safe: ``decide`` runs on the gRPC loop (request start) and the engine thread (every few
-    steps); ``record`` on the engine thread. Neither touches Redis (the backend's local tables).
+    Thread-safe: ``decide`` runs on the gRPC loop (once per request, at its start); ``record`` on the
+    engine thread. Neither touches Redis (the backend's local tables).
     """
 
     def __init__(

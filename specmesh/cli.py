@@ -168,7 +168,7 @@ def _stream_one(client: Client, prompt: str, sampling: SamplingParams, spec: Spe
     m = s.speculation
     print(
         f"\n[{s.completion_tokens} tokens, finish={s.finish_reason}, TTFT {s.time_to_first_token_ms:.0f} ms, "
-        f"{tps:.1f} tok/s, steps {m.steps}, mean accepted length {m.mean_accepted_length:.2f}"
+        f"{tps:.1f} tok/s, steps {m.steps}, {m.mean_accepted_length:.2f} tokens per step (every step counted)"
         + (f", no speculation: {m.fallback_reason}" if m.fallback_reason else "")
         + "]",
         file=sys.stderr,
@@ -293,7 +293,7 @@ def _demo(args: argparse.Namespace) -> None:
             )
 
             print(f"\n>>> {len(DEMO_CONCURRENT_PROMPTS)} concurrent streams (continuous batching)…", flush=True)
-            short = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            short = SamplingParams(temperature=0.0, max_tokens=64)  # each answer ends where the model ends it
             t0 = time.perf_counter()
             with ThreadPoolExecutor(len(DEMO_CONCURRENT_PROMPTS)) as pool:
                 results = list(pool.map(lambda p: client.complete(p, short, chat=True), DEMO_CONCURRENT_PROMPTS))
@@ -336,7 +336,8 @@ def _demo_openai(base_url: str, api_key: str = "unused", ca: Path | None = None)
             print(
                 f"\n[usage {chunk.usage.completion_tokens} tokens; speculation: "
                 f"{spec.get('num_accepted_draft_tokens')}/{spec.get('num_draft_tokens')} drafted tokens accepted, "
-                f"mean acceptance length {spec.get('mean_acceptance_length', 0):.2f}]",
+                f"mean acceptance length {spec.get('mean_acceptance_length', 0):.2f} (vLLM's: 1 + accepted tokens "
+                "per step that carried a draft; the gRPC line above counts every step)]",
                 flush=True,
             )
 
