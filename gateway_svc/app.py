@@ -1,5 +1,5 @@
 """The OpenAI-compatible ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize, /health, /metrics.
+/detokenize, /health, /metrics; and Anthropic's /v1/messages.
 
 ``create_app`` wires the parts: the ``Gateway`` state (``gateway_svc.upstream``) on
 ``app.state.gateway``, the API key check, the error handlers (``gateway_svc.error_handlers``) and one
@@ -13,7 +13,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway_svc import routes_chat, routes_completions, routes_models, routes_monitoring, routes_tokenize
+from gateway_svc import (
+    routes_chat,
+    routes_completions,
+    routes_messages,
+    routes_models,
+    routes_monitoring,
+    routes_tokenize,
+)
 from gateway_svc.auth import ApiKeyCheck
 from gateway_svc.config import GatewayConfig
 from gateway_svc.error_handlers import add_error_handlers
@@ -35,6 +42,6 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     if config.api_keys:
         app.add_middleware(ApiKeyCheck, keys=config.api_keys)
     add_error_handlers(app)
-    for group in (routes_monitoring, routes_models, routes_chat, routes_completions, routes_tokenize):
+    for group in (routes_monitoring, routes_models, routes_chat, routes_completions, routes_messages, routes_tokenize):
         app.include_router(group.router)
     return app

@@ -1,5 +1,6 @@
-"""The gateway's API keys (``--api-key-file``): every request needs ``Authorization: Bearer <key>``,
-else 401 in OpenAI's error shape (the ``openai`` client raises ``AuthenticationError``), but
+"""The gateway's API keys (``--api-key-file``): every request needs ``Authorization: Bearer <key>`` (or
+Anthropic's ``x-api-key: <key>``), else 401 in OpenAI's error shape (Anthropic's on ``/v1/messages``;
+either client raises ``AuthenticationError``), but
 ``/health`` and ``/metrics``, which stay open for probes and scrapers.
 
 Each key is a tenant: its requests' ``cache_scope`` is prefixed with a digest of the key
@@ -18,6 +19,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from gateway_svc.anthropic import error_body
 from gateway_svc.errors import ApiError
 from specmesh.credentials import token_matches, token_of
 
@@ -27,8 +29,15 @@ Asgi = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
 
 def api_key_of(scope: Scope) -> bytes | None:
-    """The bearer key of a request's ``Authorization`` header (None without one)."""
-    return next((token_of(value) for name, value in scope.get("headers", ()) if name == b"authorization"), None)
+    """The bearer key of a request's ``Authorization`` header, else its ``x-api-key`` header (Anthropic's
+    clients send that one); None without either.
+
+    >>> api_key_of({"headers": [(b"x-api-key", b"sk-a")]}), api_key_of({"headers": []})
+    (b'sk-a', None)
+    """
+    headers = scope.get("headers", ())
+    bearer = next((token_of(value) for name, value in headers if name == b"authorization"), None)
+    return bearer if bearer is not None else next((value for name, value in headers if name == b"x-api-key"), None)
 
 
 def tenant_of(key: bytes) -> str:
@@ -66,7 +75,8 @@ class ApiKeyCheck:
                     else "Incorrect API key provided."
                 )
                 err = ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
-                response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                body = error_body(err) if scope["path"].startswith("/v1/messages") else err.body()
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
             scope.setdefault("state", {})["tenant"] = tenant_of(key)  # request.state.tenant

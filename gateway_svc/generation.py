@@ -61,11 +61,13 @@ async def generate(
     params: dict,
     spec: SpecDecodeParams,
     tools: ToolPlan | None = None,
+    endpoint: str | None = None,
 ) -> Response:
     """Open the request's choices (refusals raise ApiError before any byte is sent) and answer;
-    ``tools``: a chat's tool calling (its grammar sent, its calls read out of each choice's text)."""
+    ``tools``: a chat's tool calling (its grammar sent, its calls read out of each choice's text);
+    ``endpoint``: the path its metrics count it under (default: the chat or completions one)."""
     m = gw.metrics
-    endpoint = f"/v1/{'chat/' if chat else ''}completions"
+    endpoint = endpoint or f"/v1/{'chat/' if chat else ''}completions"
     rid = body.response_id(uuid.uuid4().hex)
     t0 = time.perf_counter()
     m.in_flight.inc()

@@ -18,6 +18,13 @@ router = APIRouter()
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, gw: Annotated[Gateway, Depends(current_gateway)]
 ) -> Response:
+    return await answer_chat(gw, body, request)
+
+
+async def answer_chat(
+    gw: Gateway, body: ChatCompletionRequest, request: Request, endpoint: str = "/v1/chat/completions"
+) -> Response:
+    """The chat completion ``body`` asks for (the Messages endpoint's too, counted under ``endpoint``)."""
     body.check(gw.config.max_n)
     info = await gw.check_model(body.model)
     params = {"max_tokens_param": body.max_tokens_param, "logprobs_param": "top_logprobs"}
@@ -25,4 +32,5 @@ async def chat_completions(
     tools = body.tool_plan(gw.config.tool_call_parser)
     if tools and tools.forced:  # a schema the verifier cannot compile came from the tools
         params["structured_output_param"] = "tools"
-    return await generate(gw, body, info, [body.chat()], True, params, request_spec(body, request), tools)
+    spec = request_spec(body, request)
+    return await generate(gw, body, info, [body.chat()], True, params, spec, tools, endpoint=endpoint)
