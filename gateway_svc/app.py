@@ -1,5 +1,5 @@
 """The OpenAI-compatible ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize, /health, /metrics; and Anthropic's /v1/messages.
+/detokenize, /health, /metrics, /v1/responses; and Anthropic's /v1/messages.
 
 ``create_app`` wires the parts: the ``Gateway`` state (``gateway_svc.upstream``) on
 ``app.state.gateway``, the API key check, the error handlers (``gateway_svc.error_handlers``) and one
@@ -19,6 +19,7 @@ from gateway_svc import (
     routes_messages,
     routes_models,
     routes_monitoring,
+    routes_responses,
     routes_tokenize,
 )
 from gateway_svc.auth import ApiKeyCheck
@@ -42,6 +43,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     if config.api_keys:
         app.add_middleware(ApiKeyCheck, keys=config.api_keys)
     add_error_handlers(app)
-    for group in (routes_monitoring, routes_models, routes_chat, routes_completions, routes_messages, routes_tokenize):
+    groups = (routes_monitoring, routes_models, routes_chat, routes_completions, routes_responses, routes_messages)
+    for group in (*groups, routes_tokenize):
         app.include_router(group.router)
     return app

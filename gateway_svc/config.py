@@ -27,6 +27,7 @@ class GatewayConfig:
     verifier_tls_key: str = ""
     verifier_token: str = field(default="", repr=False)  # the gateway's own token on the verifier
     tool_call_parser: str = DEFAULT_PARSER  # how tool_choice auto reads calls out of the model's text
+    response_store: int = 1000  # /v1/responses kept for previous_response_id (per gateway, LRU); 0 = none
 
 
 def build_flags() -> ServiceFlags:
@@ -82,6 +83,14 @@ def build_flags() -> ServiceFlags:
         "llama3_json: Llama 3.1/3.2 JSON calls; pythonic: [f(x=1)], Llama 3.2/4)",
         choices=tuple(PARSERS),
     )
+    f.add(
+        "--response-store",
+        1000,
+        int,
+        "/v1/responses answers kept in memory for previous_response_id, per gateway process, the least "
+        "recently used dropped first (each API key sees its own); 0 = none kept",
+        minimum=0,
+    )
     return f
 
 
@@ -111,4 +120,5 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         verifier_tls_key=a.verifier_tls_key,
         verifier_token=verifier_token[0] if verifier_token else "",
         tool_call_parser=a.tool_call_parser,
+        response_store=a.response_store,
     )

@@ -128,3 +128,13 @@ def from_grpc(
     if status == 503:
         message = f"the verifier is unavailable: {details}"
     return ApiError(status, message, kind, param, _CODES.get(status, code.name.lower()))
+
+
+def validation_error(exc: Exception) -> ApiError:
+    """A body that does not validate (a pydantic ``ValidationError``): a 400 naming the first field at fault."""
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    first = errors[0] if errors else {}
+    param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+    if first.get("type") == "extra_forbidden":
+        return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)

@@ -45,6 +45,17 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+async def chat_chunks(events: AsyncIterator[bytes | str]) -> AsyncIterator[dict | None]:
+    """A chat stream's server-sent events (as ``_events`` writes them, one or more per item) as parsed
+    chunks, then None for ``[DONE]``: what the Messages and Responses endpoints re-say in their shapes."""
+    async for raw in events:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        for line in text.splitlines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                yield None if data == "[DONE]" else json.loads(data)
+
+
 def request_spec(body: ChatCompletionRequest | CompletionRequest, request: Request) -> SpecDecodeParams:
     """The request's SpecDecodeParams; with API keys, its cache scope inside its key's tenant."""
     spec = body.spec()

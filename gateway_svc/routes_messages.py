@@ -13,22 +13,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from gateway_svc.anthropic import MessageEvents, MessagesRequest, error_body, message_of, to_chat
-from gateway_svc.errors import ApiError
+from gateway_svc.errors import ApiError, validation_error
+from gateway_svc.generation import chat_chunks
 from gateway_svc.protocol import ChatCompletionRequest
 from gateway_svc.routes_chat import answer_chat
 from gateway_svc.upstream import Gateway, current_gateway
 
 router = APIRouter()
 ENDPOINT = "/v1/messages"
-
-
-def _invalid(exc: ValidationError) -> ApiError:
-    """A body that does not validate: 400 naming the first field at fault."""
-    first = exc.errors()[0] if exc.errors() else {}
-    param = ".".join(str(x) for x in first.get("loc", ())) or None
-    if first.get("type") == "extra_forbidden":
-        return ApiError(400, f"{param}: Extra inputs are not permitted", param=param)
-    return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
 
 
 @router.post(ENDPOINT)
@@ -42,7 +34,7 @@ async def messages(request: Request, gw: Annotated[Gateway, Depends(current_gate
             req = MessagesRequest.model_validate(raw)
             body = ChatCompletionRequest.model_validate(to_chat(req))
         except ValidationError as exc:
-            raise _invalid(exc) from None
+            raise validation_error(exc) from None
         answer = await answer_chat(gw, body, request, ENDPOINT)
     except ApiError as err:
         gw.metrics.requests.labels(ENDPOINT, str(err.status)).inc()
@@ -56,18 +48,12 @@ async def messages(request: Request, gw: Annotated[Gateway, Depends(current_gate
 
 async def _events(chunks: AsyncIterator[bytes | str], out: MessageEvents) -> AsyncIterator[bytes]:
     """The chat stream's server-sent events, re-said as the Messages stream's."""
-    async for raw in chunks:
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        for line in text.splitlines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                for e in out.finish():
-                    yield e
-                return
-            chunk = json.loads(data)
-            for e in out.feed(chunk):
+    async for chunk in chat_chunks(chunks):
+        if chunk is None:
+            for e in out.finish():
                 yield e
-            if "error" in chunk:
-                return
+            return
+        for e in out.feed(chunk):
+            yield e
+        if "error" in chunk:
+            return

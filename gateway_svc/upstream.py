@@ -19,6 +19,7 @@ from gateway_svc.choices import Choice, close_choices
 from gateway_svc.config import GatewayConfig
 from gateway_svc.errors import ApiError, from_grpc
 from gateway_svc.metrics import GatewayMetrics
+from gateway_svc.openai_responses import ResponseStore
 from specmesh.client import AsyncClient
 from specmesh.credentials import TlsOptions
 from specmesh.params import Prompt, SamplingParams, SpecDecodeParams
@@ -36,6 +37,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
         self.config, self.metrics = config, metrics
+        self.responses = ResponseStore(config.response_store)  # /v1/responses' previous_response_id
         self.client: AsyncClient | None = None
         self._model: ModelInfo | None = None
 
