@@ -31,6 +31,7 @@ from specmesh.params import SamplingParams, SpecDecodeParams
 __all__ = ["NO_EFFECT", "REFUSED", "ChatCompletionRequest", "CompletionRequest", "Message", "RequestError"]
 
 MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT = 256  # bytes, as the verifier takes it (spec_decode.cache_salt)
 MAX_REQUEST_ID = 200  # characters: the verifier's request ids are "<id>-<choice>", at most 256
 
 
@@ -113,7 +114,6 @@ REFUSED: dict[str, Refusal] = {
     "watermarking": Refusal("watermarking is not supported", _only(False)),
     "repetition_detection": Refusal("repetition detection is not supported (repetition_penalty is)"),
     "stream_interval": Refusal("every step's tokens are streamed as they come", _only(1)),
-    "cache_salt": Refusal("the prefix cache has no per-request salt (spec_decode.cache_scope scopes drafts)"),
     "kv_transfer_params": Refusal("disaggregated prefill is not supported"),
     "ec_transfer_params": Refusal("disaggregated encoders are not supported"),
     "vllm_xargs": Refusal("vLLM engine extensions are not supported"),
@@ -187,6 +187,7 @@ class _Generation(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    cache_salt: str | None = None  # vLLM's: salts the request's prefix-cache chain
     # ours
     spec_decode: SpecDecode | None = None
 
@@ -209,6 +210,8 @@ class _Generation(_Body):
         return self.max_tokens
 
     def check_supported(self, max_n: int) -> None:
+        if self.cache_salt is not None and not 0 < len(self.cache_salt.encode()) <= MAX_CACHE_SALT:
+            raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} bytes", "cache_salt")
         if not 1 <= self.n <= max_n:
             raise RequestError(f"n must be in [1, {max_n}], got {self.n}", "n")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -303,7 +306,8 @@ class _Generation(_Body):
         )
 
     def spec(self) -> SpecDecodeParams:
-        return SpecDecodeParams(**self.spec_decode.model_dump()) if self.spec_decode else SpecDecodeParams()
+        spec = SpecDecodeParams(**self.spec_decode.model_dump()) if self.spec_decode else SpecDecodeParams()
+        return dataclasses.replace(spec, cache_salt=self.cache_salt) if self.cache_salt else spec
 
 
 class ChatCompletionRequest(_Generation):

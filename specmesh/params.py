@@ -91,6 +91,7 @@ class SpecDecodeParams:
     workload_tag: str = ""
     corpus: str = ""
     cache_scope: str = ""  # suffix-cache partition: proposals only from this scope's past outputs
+    cache_salt: str = ""  # salts the prefix cache (vLLM's cache_salt): cached prompts shared only under it
 
     def to_proto(self) -> params_pb2.SpecDecodeParams:
         return params_pb2.SpecDecodeParams(**dataclasses.asdict(self))

@@ -330,9 +330,10 @@ class Engine:
         return seq.req.prompt_ids + seq.output[: max(len(seq.output) - 1, 0)]
 
     def _seed(self, seq: Sequence) -> bytes:
-        """The hash chain's seed: cached prefixes are shared within one model and ``cache_scope`` (the
-        gateway prefixes the scope with its API key's tenant, so tenants never share)."""
-        return namespace(self.config.cache_namespace, seq.req.spec_params.cache_scope)
+        """The hash chain's seed: cached prefixes are shared within one model, ``cache_scope`` (the
+        gateway prefixes the scope with its API key's tenant, so tenants never share) and ``cache_salt``."""
+        spec = seq.req.spec_params
+        return namespace(self.config.cache_namespace, spec.cache_scope, spec.cache_salt)
 
     def _close_blocks(self, seq: Sequence) -> None:
         if seq.blocks is not None:

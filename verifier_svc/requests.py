@@ -26,6 +26,7 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_TAG_CHARS = 64
 MAX_SCOPE_CHARS = 128  # a cache_scope: room for the gateway's 17-character tenant prefix
+MAX_CACHE_SALT = 256  # bytes of a cache_salt (it is hashed, never stored)
 # The client's request_id is a label only (echoed in every response chunk, logged; the engine files
 # requests under keys of its own): a longer one is refused, as one that would not print on one line.
 MAX_REQUEST_ID_CHARS = 256
@@ -52,6 +53,7 @@ class SpecParams:
     workload_tag: str
     corpus: str
     cache_scope: str = ""  # partition of the proposers' learned caches (suffix)
+    cache_salt: str = ""  # salts the prefix cache's hash chain (vLLM's cache_salt)
 
     @property
     def unservable(self) -> tuple[str, ...]:
@@ -390,4 +392,9 @@ def _spec_params(msg: generation_pb2.GenerateRequest, limits: RequestLimits) -> 
         raise InvalidRequest(
             "spec_decode.cache_scope", f"must be printable and at most {MAX_SCOPE_CHARS} characters (a cache partition)"
         )
-    return SpecParams(name, p.num_speculative_tokens, p.max_tree_nodes, p.workload_tag, p.corpus, p.cache_scope)
+    if len(p.cache_salt.encode()) > MAX_CACHE_SALT:
+        size = len(p.cache_salt.encode())
+        raise InvalidRequest("spec_decode.cache_salt", f"must be at most {MAX_CACHE_SALT} bytes, got {size}")
+    return SpecParams(
+        name, p.num_speculative_tokens, p.max_tree_nodes, p.workload_tag, p.corpus, p.cache_scope, p.cache_salt
+    )

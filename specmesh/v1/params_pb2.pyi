@@ -76,20 +76,22 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpecDecodeParams(_message.Message):
-    __slots__ = ("proposer", "num_speculative_tokens", "max_tree_nodes", "workload_tag", "corpus", "cache_scope")
+    __slots__ = ("proposer", "num_speculative_tokens", "max_tree_nodes", "workload_tag", "corpus", "cache_scope", "cache_salt")
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_TAG_FIELD_NUMBER: _ClassVar[int]
     CORPUS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     proposer: str
     num_speculative_tokens: int
     max_tree_nodes: int
     workload_tag: str
     corpus: str
     cache_scope: str
-    def __init__(self, proposer: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., workload_tag: _Optional[str] = ..., corpus: _Optional[str] = ..., cache_scope: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, proposer: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., workload_tag: _Optional[str] = ..., corpus: _Optional[str] = ..., cache_scope: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ProposerMetrics(_message.Message):
     __slots__ = ("steps", "drafted_tokens", "accepted_tokens")

@@ -148,6 +148,7 @@ EFFECTS = {
     "stream": lambda out, *_: out.events[-1] == "[DONE]",
     "stream_options": lambda out, *_: out.events[-2]["usage"]["completion_tokens"] == 2,
     "request_id": lambda out, *_: out.first["id"].endswith("-mine"),
+    "cache_salt": lambda out, *_: out.spec.cache_salt == "salt",
     "prompt": lambda out, *_: out.prompt == [1, 2, 3],
     "messages": lambda out, *_: out.prompt == [{"role": "user", "content": "hi"}],
     "tools": lambda out, *_: out.tools == SAMPLES["tools"],
@@ -179,7 +180,7 @@ class FakeVerifier:
 
     async def generate(self, prompt, sampling, spec, *, chat, request_id, timeout, tools=None):
         self.sent.append((prompt, sampling))
-        self.tools = tools
+        self.tools, self.spec = tools, spec
         ids = list(prompt) if prompt and isinstance(prompt[0], int) else [10 + i for i in range(3)]
         lp = None
         if sampling.prompt_logprobs is not None:
@@ -211,7 +212,7 @@ class Answer:
     def __init__(self, resp, fake: FakeVerifier, chat: bool) -> None:
         self.status, self.chat = resp.status_code, chat
         self.prompt, self.sampling = fake.sent[0] if fake.sent else (None, None)
-        self.tools = getattr(fake, "tools", None)
+        self.tools, self.spec = getattr(fake, "tools", None), getattr(fake, "spec", None)
         text = resp.text
         if text.startswith("data: "):
             self.events = [e if e == "[DONE]" else json.loads(e) for e in re.findall(r"data: (.*)\n\n", text)]
