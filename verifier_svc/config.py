@@ -28,6 +28,8 @@ class VerifierConfig:
     linears: str = "gemv"  # CPU float32: gemv (oneDNN packed + the small-step kernel), packed, stock
     attention: str = "auto"  # tree verification's attention: auto (the Triton kernel on CUDA), triton, sdpa
     cuda_graphs: str = "auto"  # decode/verify steps as static steps: auto (CUDA graphs on CUDA), on, off
+    grammar_threads: int = 8  # structured outputs compiled at once (distinct schemas do not wait in line)
+    grammar_compile_timeout_s: float = 10.0  # a schema compiling longer is refused (INVALID_ARGUMENT)
     max_context: int = 0  # 0 = the model's max_position_embeddings
     kv_cache_bytes: int | None = None  # KV cache budget; None = kv_cache.default_budget_bytes
     block_size: int = 16  # KV positions per block of the paged cache
@@ -75,6 +77,22 @@ def build_flags() -> ServiceFlags:
         "seconds any collective may wait; a rank that dies or hangs past it fails the in-flight requests "
         "(UNAVAILABLE) and exits the verifier non-zero for its supervisor to restart",
         minimum=1.0,
+    )
+    f.add(
+        "--grammar-threads",
+        8,
+        int,
+        "structured outputs (JSON schemas, regexes, grammars) compiled at once: a cheap schema does not wait "
+        "behind expensive ones; the same schema sent twice compiles once",
+        minimum=1,
+    )
+    f.add(
+        "--grammar-compile-timeout",
+        10.0,
+        float,
+        "seconds a request waits for its structured output to compile; past it the request is refused "
+        "(INVALID_ARGUMENT naming the field) while the compile finishes into the cache",
+        minimum=0.01,
     )
     add_linears_flag(f)
     f.add(
@@ -297,6 +315,8 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         linears=a.linears,
         attention=a.attention,
         cuda_graphs=a.cuda_graphs,
+        grammar_threads=a.grammar_threads,
+        grammar_compile_timeout_s=a.grammar_compile_timeout,
         max_context=a.max_context,
         kv_cache_bytes=a.kv_cache_memory,
         block_size=a.block_size,

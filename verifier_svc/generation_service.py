@@ -13,7 +13,7 @@ from google.protobuf.message import Message
 
 from specmesh.v1 import generation_pb2, generation_pb2_grpc, params_pb2
 from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent, NeverFits
-from verifier_svc.grammar import GrammarCompiler, RequestGrammar
+from verifier_svc.grammar import CompilePool, GrammarCompiler, RequestGrammar
 from verifier_svc.logprobs import TokenLogprob
 from verifier_svc.requests import (
     GenerationRequest,
@@ -47,6 +47,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         limits: RequestLimits,
         speculation: SpeculationControl,
         metrics: VerifierMetrics | None = None,
+        grammar_threads: int = 8,
+        grammar_timeout_s: float = 10.0,
     ) -> None:
         self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
         self.speculation, self.metrics = speculation, metrics
@@ -57,10 +59,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
         )
-        # Structured outputs: compiled on a thread of their own (a large schema takes a while; other
-        # requests keep tokenizing), the compiler made on the tokenizer's thread at the first one.
-        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specmesh-grammar")
+        # Structured outputs: compiled on threads of their own (``CompilePool``), the compiler made on
+        # the tokenizer's thread at the first one.
+        self.grammar_threads, self.grammar_timeout_s = grammar_threads, grammar_timeout_s
         self._grammars: GrammarCompiler | None = None
+        self._compile_pool: CompilePool | None = None
 
     def _prepare(self, request: generation_pb2.GenerateRequest) -> GenerationRequest:
         """The validated request (on the tokenizer's thread); the grammar compiler made if it needs one."""
@@ -68,16 +71,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if req.structured_output is not None and self._grammars is None:
             eos = self.engine.eos_token_ids
             self._grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size, eos, metrics=self.metrics)
+            self._compile_pool = CompilePool(self._grammars, self.grammar_threads, self.grammar_timeout_s)
         return req
 
     async def _grammar(self, req: GenerationRequest) -> RequestGrammar | None:
         """The request's grammar state, compiled (or from the cache); None for free text."""
         if req.structured_output is None:
             return None
-        assert self._grammars is not None
-        loop = asyncio.get_running_loop()
-        compiled = await loop.run_in_executor(self.grammar_pool, self._grammars.compile, req.structured_output)
-        return self._grammars.request(compiled)
+        assert self._grammars is not None and self._compile_pool is not None
+        return self._grammars.request(await self._compile_pool.compile(req.structured_output))
 
     def _logprobs_pb(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> list[generation_pb2.TokenLogprob]:
         text = self.token_text

@@ -23,6 +23,8 @@ refused naming its field.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
 import functools
 import json
@@ -117,6 +119,31 @@ class GrammarCompiler:
         if spec.kind == "choice":
             return c.compile_grammar(choice_ebnf(spec.choices))
         return c.compile_grammar(spec.value, root_rule_name="root")
+
+
+class CompilePool:
+    """Compiles ``compiler``'s specs on ``threads`` threads, so a cheap schema never waits behind
+    expensive ones (xgrammar compiles outside the GIL); one compile per spec in flight, however many
+    requests send it. A request waits at most ``timeout_s``: then ``InvalidRequest`` names its field,
+    and the compile finishes into the cache (a retry finds it)."""
+
+    def __init__(self, compiler: GrammarCompiler, threads: int, timeout_s: float) -> None:
+        self.compiler, self.timeout_s = compiler, timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="specmesh-grammar")
+        self._in_flight: dict[GrammarSpec, asyncio.Future] = {}
+
+    async def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """``spec`` compiled (or from the cache), on the calling event loop's terms."""
+        running = self._in_flight.get(spec)
+        if running is None:
+            running = asyncio.get_running_loop().run_in_executor(self._pool, self.compiler.compile, spec)
+            self._in_flight[spec] = running
+            running.add_done_callback(lambda _: self._in_flight.pop(spec, None))
+        try:  # shielded: a request that stops waiting leaves the compile running for the others
+            return await asyncio.wait_for(asyncio.shield(running), self.timeout_s)
+        except TimeoutError:
+            why = f"did not compile within {self.timeout_s:g} s (--grammar-compile-timeout): simplify it"
+            raise InvalidRequest(spec.field, why) from None
 
 
 def _first_line(exc: Exception) -> str:

@@ -120,7 +120,15 @@ async def run(config: VerifierConfig, where: Placement | None = None, spawned: l
         lambda: pool.used_blocks / pool.num_blocks,
     )
     REGISTRY.register(RouterStatsCollector(stats, model=lm.name, tags=config.metrics_tags))
-    generation = GenerationServicer(engine, lm.tokenizer, limits, speculation, metrics)
+    generation = GenerationServicer(
+        engine,
+        lm.tokenizer,
+        limits,
+        speculation,
+        metrics,
+        grammar_threads=config.grammar_threads,
+        grammar_timeout_s=config.grammar_compile_timeout_s,
+    )
     engine.start()
     auth = verifier_auth(config)
     server = new_server(auth)
