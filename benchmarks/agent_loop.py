@@ -178,7 +178,7 @@ def summarize(records: list[dict], agents_list: list[int], modes: list[str]) -> 
         rs = [r for r in records if r["agents"] == agents]
         plain = {(r["agent"], r["turn"]): r for r in rs if r["mode"] == "plain"}
         lines += [f"\n### {agents} concurrent agent{'s' if agents > 1 else ''}\n",
-                  "| mode | turns | output tok/s | end-to-end vs plain (paired per turn, 95 % interval) | "
+                  "| mode | turns | output tok/s per agent | end-to-end vs plain (paired per turn, 95 % interval) | "
                   "agent wall time vs plain | median TTFT | cached share of prompts | tool calls valid | "
                   "same answers as plain |",
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
