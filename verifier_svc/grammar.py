@@ -89,12 +89,17 @@ class GrammarCompiler:
         encoder and banned tokens."""
         return RequestGrammar.start(compiled, self.vocab_size, self.encode, self.banned)
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``spec`` (cached); ``InvalidRequest`` naming its field if it does not compile."""
+    def cached(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
+        """The compiled grammar of ``spec`` if it is cached (a lookup, no compile)."""
         with self._lock:
             if (hit := self._cache.get(spec)) is not None:
                 self._cache.move_to_end(spec)
-                return hit
+            return hit
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec`` (cached); ``InvalidRequest`` naming its field if it does not compile."""
+        if (hit := self.cached(spec)) is not None:
+            return hit
         t0 = time.perf_counter()
         try:
             compiled = self._compile(spec)
@@ -133,7 +138,9 @@ class CompilePool:
         self._in_flight: dict[GrammarSpec, asyncio.Future] = {}
 
     async def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """``spec`` compiled (or from the cache), on the calling event loop's terms."""
+        """``spec`` compiled (or from the cache, at once), on the calling event loop's terms."""
+        if (hit := self.compiler.cached(spec)) is not None:
+            return hit
         running = self._in_flight.get(spec)
         if running is None:
             running = asyncio.get_running_loop().run_in_executor(self._pool, self.compiler.compile, spec)

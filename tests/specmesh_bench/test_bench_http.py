@@ -317,7 +317,7 @@ def test_a_specmesh_gateway_gets_each_modes_speculation_as_extra_body(stub_serve
     assert (body["model"], body["max_tokens"], body["temperature"]) == ("tiny", 4, 0.0) and "seed" not in body
     assert body["spec_decode"] == {
         "proposer": "auto", "num_speculative_tokens": 0, "max_tree_nodes": 0, "workload_tag": "code", "corpus": "docs",
-        "cache_scope": "",
+        "cache_scope": "", "cache_salt": "",
     }  # fmt: skip
     assert (rec["text"], rec["completion_tokens"], rec["finish_reason"], rec["steps"]) == ("Hello", 4, "length", 2)
     assert rec["server"] == "specmesh" and len(rec["itl_ms"]) == 2
