@@ -10,18 +10,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway_svc.errors import ApiError
+from gateway_svc.errors import ApiError, validation_error
 from gateway_svc.upstream import Gateway
 
 log = logging.getLogger(__name__)
 
 
-def error_response(gw: Gateway, err: ApiError, endpoint: str = "") -> JSONResponse:
-    """``err`` as a JSON response; counted under ``endpoint`` unless that is ""."""
+def error_response(gw: Gateway, err: ApiError, endpoint: str = "", body: dict | None = None) -> JSONResponse:
+    """``err`` as a JSON response (``body``: in another API's shape; default OpenAI's); counted under
+    ``endpoint`` unless that is ""."""
     headers = {"Retry-After": str(gw.config.retry_after_s)} if err.status == 429 else None
     if endpoint:
         gw.metrics.requests.labels(endpoint, str(err.status)).inc()
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return JSONResponse(err.body() if body is None else body, status_code=err.status, headers=headers)
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -33,17 +34,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            err = ApiError(400, f"the request body is not valid JSON: {first.get('msg', '')}", code="json_invalid")
-        else:
-            loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-            param = ".".join(loc) or None
-            if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
-                err = ApiError(400, f"Unrecognized request argument supplied: {param}", param=param)
-            else:
-                err = ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
-        return error_response(request.app.state.gateway, err, request.url.path)
+        return error_response(request.app.state.gateway, validation_error(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -8,7 +8,12 @@ UNAVAILABLE → 503, DEADLINE_EXCEEDED → 504, anything else → 500 (a message
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import grpc
+from pydantic import BaseModel
+
+T = TypeVar("T", bound=BaseModel)
 
 # The verifier's field names (verifier_svc/requests.py) → the OpenAI request field a client sent, where
 # not the same name: ``sampling.<name>`` is the request field <name> (max_tokens, logprobs and
@@ -131,10 +136,34 @@ def from_grpc(
 
 
 def validation_error(exc: Exception) -> ApiError:
-    """A body that does not validate (a pydantic ``ValidationError``): a 400 naming the first field at fault."""
+    """A body that does not validate (pydantic's ``ValidationError``, FastAPI's ``RequestValidationError``):
+    a 400 naming the first field at fault, in OpenAI's words for a field it does not know."""
     errors = exc.errors() if hasattr(exc, "errors") else []
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first.get('msg', '')}", code="json_invalid")
     param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
     if first.get("type") == "extra_forbidden":
         return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param)
     return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
+
+
+def parse_body(raw: bytes, model: type[T]) -> T:
+    """A route's JSON body as ``model``, or the 400 saying what is wrong with it (as FastAPI's bodies get)."""
+    import json
+
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="json_invalid") from None
+    return validated(data, model)
+
+
+def validated(data: Any, model: type[T]) -> T:
+    """``data`` as ``model``, or the 400 naming the field at fault (``validation_error``)."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None

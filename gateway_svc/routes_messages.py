@@ -10,10 +10,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from gateway_svc.anthropic import MessageEvents, MessagesRequest, error_body, message_of, to_chat
-from gateway_svc.errors import ApiError, validation_error
+from gateway_svc.error_handlers import error_response
+from gateway_svc.errors import ApiError, parse_body, validated
 from gateway_svc.generation import chat_chunks
 from gateway_svc.protocol import ChatCompletionRequest
 from gateway_svc.routes_chat import answer_chat
@@ -26,20 +26,11 @@ ENDPOINT = "/v1/messages"
 @router.post(ENDPOINT)
 async def messages(request: Request, gw: Annotated[Gateway, Depends(current_gateway)]) -> Response:
     try:
-        try:
-            raw = json.loads(await request.body())
-        except ValueError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-        try:
-            req = MessagesRequest.model_validate(raw)
-            body = ChatCompletionRequest.model_validate(to_chat(req))
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        req = parse_body(await request.body(), MessagesRequest)
+        body = validated(to_chat(req), ChatCompletionRequest)
         answer = await answer_chat(gw, body, request, ENDPOINT)
-    except ApiError as err:
-        gw.metrics.requests.labels(ENDPOINT, str(err.status)).inc()
-        headers = {"Retry-After": str(gw.config.retry_after_s)} if err.status == 429 else None
-        return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+    except ApiError as err:  # in Anthropic's shape
+        return error_response(gw, err, ENDPOINT, error_body(err))
     if isinstance(answer, StreamingResponse):
         events = _events(answer.body_iterator, MessageEvents(req.model))
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

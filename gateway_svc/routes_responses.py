@@ -10,9 +10,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
-from gateway_svc.errors import ApiError, RequestError, validation_error
+from gateway_svc.errors import RequestError, parse_body, validated
 from gateway_svc.generation import chat_chunks
 from gateway_svc.openai_responses import ResponseEvents, ResponsesRequest, output_messages, response_of, to_chat
 from gateway_svc.protocol import ChatCompletionRequest
@@ -25,14 +24,7 @@ ENDPOINT = "/v1/responses"
 
 @router.post(ENDPOINT)
 async def responses(request: Request, gw: Annotated[Gateway, Depends(current_gateway)]) -> Response:
-    try:
-        raw = json.loads(await request.body())
-    except ValueError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="json_invalid") from None
-    try:
-        req = ResponsesRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = parse_body(await request.body(), ResponsesRequest)
     tenant = getattr(request.state, "tenant", None)
     history: list[dict[str, Any]] = []
     if req.previous_response_id:
@@ -46,10 +38,7 @@ async def responses(request: Request, gw: Annotated[Gateway, Depends(current_gat
             )
         history = found
     chat = to_chat(req, history)
-    try:
-        body = ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    body = validated(chat, ChatCompletionRequest)
     answer = await answer_chat(gw, body, request, ENDPOINT)
     rid = f"resp_{uuid.uuid4().hex}"
     store = req.store is not False
