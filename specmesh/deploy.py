@@ -21,8 +21,31 @@ from pathlib import Path
 from specmesh.health import wait_healthy
 from specmesh.paths import cache_dir
 
+# Ports handed out below the kernel's ephemeral range: a port chosen now and bound seconds later by a
+# service must not be taken meanwhile by an outgoing connection or a listener on port 0 (gloo's, gRPC's),
+# which the kernel places inside that range.
+PORTS_BELOW_EPHEMERAL = (20000, 32768)
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return PORTS_BELOW_EPHEMERAL[1]
+
 
 def free_port() -> int:
+    """A loopback TCP port free now, outside the ephemeral range where it can be (see above)."""
+    low, high = PORTS_BELOW_EPHEMERAL[0], min(PORTS_BELOW_EPHEMERAL[1], _ephemeral_start())
+    rng = secrets.SystemRandom()
+    for _ in range(64 if high > low else 0):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
