@@ -24,10 +24,10 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/specmesh demo
 
-# A quick benchmark (~10 min on 2 cores): every category, 2 prompts each; writes docs/bench/latest.
+# A quick benchmark (~10 min on 2 cores): every category, 2 prompts each; writes bench-results/latest (ignored).
 BENCH_ARGS ?= --limit 2 --max-tokens 64 --concurrency 1,8 --pld-sweep 5
 bench: install
-	$(VENV)/bin/specmesh bench $(BENCH_ARGS) --out docs/bench/latest
+	$(VENV)/bin/specmesh bench $(BENCH_ARGS) --out bench-results/latest
 
 # Tests run shuffled (pytest-randomly: modules, then tests within each), so a test that passes only
 # after another one fails here. CI pins the order's seed for reproducible runs; any other seed must
