@@ -72,12 +72,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   return y;
 }
 
-// ---- GGUF blocks (ggml's layouts), dequantized 8 weight rows at a time into a float buffer, then the
-// same per-row sums as linear(): a row's outputs do not depend on how many rows come with it.
+// ---- GGUF blocks (ggml's layouts). Every output is the float32 kernel's sum over its dequantized weight
+// row (8-lane partial sums over k in order, reduced once), whatever the number of rows, so a row's result
+// does not depend on its step; the weights are the same floats either way (one fmadd / mul per weight):
 //   Q8_0: 34 bytes per 32 weights: fp16 d, int8 q[32];          w = d · q
 //   Q4_1: 20 bytes per 32 weights: fp16 d, fp16 m, uint8 qs[16]; w_j = d · (qs[j] & 15) + m,
 //         w_{j+16} = d · (qs[j] >> 4) + m   (j < 16)
-constexpr int64_t kQ80Bytes = 34, kQ41Bytes = 20;
+// A step of at most kFusedTokens rows dequantizes each block into registers and multiplies it there by
+// every row of x (the blocks read once, nothing written); a larger step dequantizes 8 weight rows into a
+// buffer once and multiplies it tile by tile (2 rows of x × 4 weight rows in registers).
+constexpr int64_t kQ80Bytes = 34, kQ41Bytes = 20, kFusedTokens = 4;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -85,29 +89,111 @@ inline float half_to_float(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-inline void dequant_q8_0(const uint8_t* row, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b, row += kQ80Bytes, out += 32) {
-    const __m256 d = _mm256_set1_ps(half_to_float(row));
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2));
+// One block's 32 weights as 4 vectors of 8.
+struct Q80 {
+  static constexpr int64_t kBytes = kQ80Bytes;
+  static inline void block(const uint8_t* p, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(half_to_float(p));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    _mm256_storeu_ps(out, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
-    _mm256_storeu_ps(out + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
-    _mm256_storeu_ps(out + 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
-    _mm256_storeu_ps(out + 24, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+    w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+    w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+    w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+    w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+  }
+};
+
+struct Q41 {
+  static constexpr int64_t kBytes = kQ41Bytes;
+  static inline void block(const uint8_t* p, __m256 w[4]) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m256 d = _mm256_set1_ps(half_to_float(p)), m = _mm256_set1_ps(half_to_float(p + 2));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+    const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+  }
+};
+
+template <class Q>
+inline void dequant_row(const uint8_t* row, int64_t blocks, float* out) {
+  __m256 w[4];
+  for (int64_t b = 0; b < blocks; ++b, row += Q::kBytes, out += 32) {
+    Q::block(row, w);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, w[j]);
   }
 }
 
-inline void dequant_q4_1(const uint8_t* row, int64_t blocks, float* out) {
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < blocks; ++b, row += kQ41Bytes, out += 32) {
-    const __m256 d = _mm256_set1_ps(half_to_float(row)), m = _mm256_set1_ps(half_to_float(row + 2));
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 4));
-    const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-    _mm256_storeu_ps(out, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m));
-    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m));
-    _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m));
-    _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m));
+// y[t · N] = Σ_k x[t · K + k] · w[k] for T rows of x and one weight row of GGUF blocks, dequantized in registers.
+template <class Q, int T>
+inline void fused_row(const uint8_t* row, int64_t blocks, const float* x, int64_t K, float* y, int64_t N) {
+  __m256 acc[T], w[4];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, row += Q::kBytes) {
+    Q::block(row, w);
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < 4; ++j) acc[t] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + t * K + b * 32 + 8 * j), acc[t]);
   }
+  for (int t = 0; t < T; ++t) y[t * N] = hsum(acc[t]);
+}
+
+template <class Q>
+void fused_rows(const uint8_t* row, int64_t blocks, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
+  switch (M) {
+    case 1: return fused_row<Q, 1>(row, blocks, x, K, y, N);
+    case 2: return fused_row<Q, 2>(row, blocks, x, K, y, N);
+    case 3: return fused_row<Q, 3>(row, blocks, x, K, y, N);
+    default: return fused_row<Q, 4>(row, blocks, x, K, y, N);
+  }
+}
+
+// y[t · N + r] = Σ_k x[t · K + k] · w[r · K + k] for T rows of x and R float32 weight rows (K % 8 == 0),
+// each sum as rows_dot's.
+template <int T, int R>
+inline void tile_dot(const float* x, const float* w, int64_t K, float* y, int64_t N) {
+  __m256 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
+    for (int t = 0; t < T; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * K + k);
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(wv[r], xv, acc[t][r]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) y[t * N + r] = hsum(acc[t][r]);
+}
+
+template <class Q>
+void gguf_rows(const float* xp, const uint8_t* bp, int64_t M, int64_t N, int64_t K, float* yp) {
+  const int64_t nb = K / 32, row_bytes = nb * Q::kBytes;
+  at::parallel_for(0, (N + 7) / 8, 4, [&](int64_t b0, int64_t b1) {
+    std::vector<float> w(M > kFusedTokens ? 8 * K : 0);  // this chunk's 8 weight rows, dequantized
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t rows = std::min<int64_t>(8, N - b * 8);
+      if (M <= kFusedTokens) {
+        for (int64_t r = 0; r < rows; ++r) fused_rows<Q>(bp + (b * 8 + r) * row_bytes, nb, xp, M, K, yp + b * 8 + r, N);
+        continue;
+      }
+      for (int64_t r = 0; r < rows; ++r) dequant_row<Q>(bp + (b * 8 + r) * row_bytes, nb, w.data() + r * K);
+      float* yb = yp + b * 8;
+      int64_t t = 0;
+      for (; t + 2 <= M; t += 2) {
+        if (rows == 8) {
+          tile_dot<2, 4>(xp + t * K, w.data(), K, yb + t * N, N);
+          tile_dot<2, 4>(xp + t * K, w.data() + 4 * K, K, yb + t * N + 4, N);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) tile_dot<2, 1>(xp + t * K, w.data() + r * K, K, yb + t * N + r, N);
+        }
+      }
+      for (; t < M; ++t)
+        for (int64_t r = 0; r < rows; ++r) tile_dot<1, 1>(xp + t * K, w.data() + r * K, K, yb + t * N + r, N);
+    }
+  });
 }
 
 // x [..., K] · W[N, K]ᵀ with W as GGUF blocks: uint8 [N, K / 32 · block bytes]; kind 8 = Q8_0, 3 = Q4_1
@@ -126,22 +212,12 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
   const float* xp = xc.data_ptr<float>();
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t row_bytes = nb * block_bytes;
-  auto dequant = kind == 8 ? dequant_q8_0 : dequant_q4_1;
-  at::parallel_for(0, (N + 7) / 8, 4, [&](int64_t b0, int64_t b1) {
-    std::vector<float> w(8 * K);  // this chunk's 8 weight rows, dequantized
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t rows = std::min<int64_t>(8, N - b * 8);
-      for (int64_t r = 0; r < rows; ++r) dequant(bp + (b * 8 + r) * row_bytes, nb, w.data() + r * K);
-      for (int64_t t = 0; t < M; ++t) {
-        if (rows == 8) {
-          rows_dot<8>(xp + t * K, w.data(), K, yp + t * N + b * 8);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) rows_dot<1>(xp + t * K, w.data() + r * K, K, yp + t * N + b * 8 + r);
-        }
-      }
-    }
-  });
+  if (M == 0) return y;
+  if (kind == 8) {
+    gguf_rows<Q80>(xp, bp, M, N, K, yp);
+  } else {
+    gguf_rows<Q41>(xp, bp, M, N, K, yp);
+  }
   return y;
 }
 

@@ -7,12 +7,13 @@ then each linear layer whose GGUF tensor is in a supported block format is repla
 file: 210 Q4_1 layers (66 MB instead of 425) and the tied output head in Q8_0 (30 MB instead of 113);
 the input embedding stays float32 (a lookup reads one row per token).
 
-The kernel dequantizes 8 weight rows at a time and sums each row exactly as the float32 kernel does,
-so a row's logits do not depend on how many rows a step brings: speculative decoding over these
-weights is token-identical to plain decoding over them. Against the float32 target the model differs
-(by the float32 weights' rounding, nothing: those weights *are* these blocks dequantized; by the
-products' summation order, a little), so equality is checked against plain decoding of the same
-quantized weights.
+The kernel sums each output exactly as the float32 kernel does over the dequantized weight row (a
+step of at most 4 rows dequantizes the blocks in registers, a larger one 8 weight rows at a time into
+a buffer it multiplies tile by tile), so a row's logits do not depend on how many rows a step brings:
+speculative decoding over these weights is token-identical to plain decoding over them. Against the
+float32 target the model differs (by the float32 weights' rounding, nothing: those weights *are* these
+blocks dequantized; by the products' summation order, a little), so equality is checked against plain
+decoding of the same quantized weights.
 
 llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k`` for its rotary layout;
 transformers' loader undoes that on the dequantized weights, and the same permutation is applied here

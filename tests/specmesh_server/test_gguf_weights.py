@@ -50,9 +50,20 @@ def test_a_rows_result_is_the_same_bits_whatever_rows_come_with_it(kind):
     """What makes speculation over quantized weights token-identical to plain decoding over them."""
     blocks, _ = _blocks(37, 128, kind, seed=5)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(1))
-    together = cpu_linear.linear_gguf(x, blocks, int(kind))
-    for i in range(9):
-        assert torch.equal(cpu_linear.linear_gguf(x[i : i + 1], blocks, int(kind))[0], together[i])
+    alone = torch.cat([cpu_linear.linear_gguf(x[i : i + 1], blocks, int(kind)) for i in range(9)])
+    for rows in range(2, 10):  # 2-4 rows: blocks dequantized in registers; 5 and more: through the buffer
+        assert torch.equal(cpu_linear.linear_gguf(x[:rows], blocks, int(kind)), alone[:rows]), rows
+
+
+def test_q8_0_is_the_float32_kernel_over_the_dequantized_weights():
+    """Every output is the float32 kernel's sum over its dequantized row (Q8_0: w = d · q, one rounding,
+    as torch's product rounds)."""
+    blocks, _ = _blocks(21, 192, GGMLQuantizationType.Q8_0, seed=3)
+    w = cpu_linear.dequantize_reference(blocks, int(GGMLQuantizationType.Q8_0))
+    for rows in (1, 3, 4, 7):
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+        got = cpu_linear.linear_gguf(x, blocks, int(GGMLQuantizationType.Q8_0))
+        assert torch.equal(got, cpu_linear.linear(x, w, None)), rows
 
 
 def test_the_kernel_refuses_blocks_that_do_not_fit():
