@@ -25,6 +25,7 @@ from specmesh_server.model_loading import text_config
 from specmesh_server.paged_kv import PagedKVCache, PagedRows, move_slots
 from specmesh_server.static_step import StaticStep
 from specmesh_server.tensor_parallel import Leader, RankFailure, Ranks, Shard
+from specmesh_server.thread_budget import ThreadBudget
 from specmesh_server.tree import TokenTree
 
 
@@ -56,6 +57,7 @@ class ModelRunner:
         ranks: Ranks | None = None,
         leader: Leader | None = None,
         lean: bool = True,
+        threads: ThreadBudget | None = None,
     ) -> None:
         """``tree_kernel``: tree steps through the Triton tree-attention kernel; default on CUDA only.
         Otherwise SDPA over the cache without repeating K/V (both in ``attention``; models it does not
@@ -70,7 +72,10 @@ class ModelRunner:
         holds its key/value heads, in as many blocks as every rank's budget holds (agreed over ``ranks``).
         ``leader`` (rank 0): every forward and cache copy is first sent to the other ranks.
         ``lean``: on a CPU in float32 without tensor parallelism, Llama layers run through ``lean_llama`` (the same
-        logits from fewer operator calls); False keeps transformers' forward."""
+        logits from fewer operator calls); False keeps transformers' forward.
+        ``threads``: before each forward, the torch threads follow the cores other processes leave free
+        (``thread_budget``); None keeps them as they are."""
+        self.threads = threads
         # Counted before packing (packed layers keep their weights outside nn.Parameters).
         weights = sum(
             p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name
@@ -162,6 +167,8 @@ class ModelRunner:
         ``tree_meta`` (where ``tree_kernel``): the kernel's form of ``mask``, built by the caller from its
         trees (``tree_meta_from_trees``); otherwise derived from ``mask``, which costs a device read.
         """
+        if self.threads is not None:
+            self.threads.adjust()
         if self.leader is None:
             return self._forward(rows, input_ids, positions, mask, write_pos, packing, tree_meta)
         # The other ranks run the same forward on their shards. Once they have started it, a failure

@@ -22,6 +22,7 @@ class VerifierConfig:
     device: str | None = None
     dtype: str | None = None
     threads: int = 0  # torch intra-op threads; 0 = torch's default (under tensor parallelism: the cores / ranks)
+    adaptive_threads: bool = True  # CPU, one rank: the threads follow the cores others leave free (thread_budget)
     tensor_parallel_size: int = 1  # ranks the target is sharded over (``tensor_parallel``)
     tensor_parallel_timeout_s: float = 60.0  # bound on every collective wait; past it a rank counts as failed
     weights: str = "fp32"  # fp32, or gguf: the GGUF's own Q4_1 / Q8_0 blocks on the CPU kernel (``gguf_weights``)
@@ -61,6 +62,13 @@ def build_flags() -> ServiceFlags:
     f.add("--device", None, str, "cpu, cuda, cuda:1 …; default: the GPU if present")
     f.add("--dtype", None, str, "float32, bfloat16, float16; default: float32 on CPU, bfloat16 on GPU")
     f.add("--threads", 0, int, "torch threads (0 = torch's default)", minimum=0)
+    f.add(
+        "--adaptive-threads",
+        True,
+        boolean,
+        "on a CPU (one rank): before each step, fewer torch threads while other processes keep cores busy "
+        "(a busy neighbour then costs its share of the cores, not every step's barrier); at most --threads",
+    )
     f.add(
         "--tensor-parallel-size",
         1,
@@ -309,6 +317,7 @@ def parse_args(argv: list[str] | None = None) -> VerifierConfig:
         device=a.device,
         dtype=a.dtype,
         threads=a.threads,
+        adaptive_threads=a.adaptive_threads,
         tensor_parallel_size=a.tensor_parallel_size,
         tensor_parallel_timeout_s=a.tensor_parallel_timeout,
         weights=a.weights,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from specmesh_server.model_loading import LoadedModel
     from specmesh_server.model_runner import ModelRunner
     from specmesh_server.tensor_parallel import Leader, Ranks, Shard
+    from specmesh_server.thread_budget import ThreadBudget
     from verifier_svc.ranks import Group, Placement
 
 
@@ -121,7 +122,20 @@ def _runner(
         shard=shard,
         ranks=ranks,
         leader=leader,
+        threads=_thread_budget(config, lm, ranks),
     )
+
+
+def _thread_budget(config: VerifierConfig, lm: LoadedModel, ranks: Ranks | None) -> ThreadBudget | None:
+    """``--adaptive-threads``: on a CPU with one rank, the torch threads (at most those set now) follow the
+    cores other processes leave free."""
+    import torch
+
+    from specmesh_server.thread_budget import ThreadBudget
+
+    if not config.adaptive_threads or lm.device.type != "cpu" or ranks is not None:
+        return None
+    return ThreadBudget(torch.get_num_threads())
 
 
 def _gguf_linears(config: VerifierConfig, lm: LoadedModel) -> None:
@@ -219,8 +233,10 @@ def load_target(config: VerifierConfig, where: Placement | None = None, spawned:
     )
     if runner.device.type == "cpu":
         from specmesh_server.packed_linear import describe as describe_linears
+        from specmesh_server.thread_budget import describe as describe_threads
 
         print(f"verifier: linear layers: {describe_linears(runner.linears)} (--linears {runner.linears})", flush=True)
+        print(f"verifier: {describe_threads(runner.threads)}", flush=True)
     if static_steps(config.cuda_graphs, runner.tree_kernel, lm.device, config.tensor_parallel_size):
         static = runner.use_static(config.engine.max_running, max_context, graphs=True)
         print(f"verifier: decode steps as static steps, {static.describe()} (--cuda-graphs off: none)", flush=True)
