@@ -85,14 +85,14 @@ def verifier(tmp_path_factory, lm) -> Iterator[VerifierProcess]:
 
 @pytest.fixture
 def engine_factory(lm):
-    """In-process engines on the real model: ``make(runner_class=…, kv_budget_tokens=…, **EngineConfig
-    fields)``; each is shut down after the test."""
+    """In-process engines on the real model: ``make(runner_class=…, kv_budget_tokens=…, metrics=…,
+    **EngineConfig fields)``; each is shut down after the test."""
     from specmesh_server.model_runner import ModelRunner
     from verifier_svc.engine import Engine, EngineConfig
 
     engines = []
 
-    def make(runner_class=ModelRunner, kv_budget_tokens: int | None = None, **cfg) -> Engine:
+    def make(runner_class=ModelRunner, kv_budget_tokens: int | None = None, metrics=None, **cfg) -> Engine:
         m = lm.model.config
         per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * (m.hidden_size // m.num_attention_heads) * 4
         kv_bytes = None if kv_budget_tokens is None else kv_budget_tokens * per_token
@@ -100,7 +100,7 @@ def engine_factory(lm):
         assert (
             kv_budget_tokens is None or kv_budget_tokens - 32 < runner.cache.token_budget <= kv_budget_tokens
         )  # whole blocks and scratch
-        eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(**cfg))
+        eng = Engine(runner, lm.tokenizer, {2}, 8192, EngineConfig(**cfg), metrics=metrics)
         eng.start()
         engines.append(eng)
         return eng

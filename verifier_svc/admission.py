@@ -19,6 +19,40 @@ running one room for one step past what it holds. The engine keeps the needs wit
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from verifier_svc.events import NeverFits
+
+if TYPE_CHECKING:
+    from specmesh_server.kv_blocks import BlockManager
+    from verifier_svc import sequence
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, max_context: int, step_room: int, budget: int) -> None:
+    """Refuse (:class:`NeverFits`) a request that could not fit the KV budget of ``budget`` positions
+    even alone: its prompt and ``max_tokens`` (within ``max_context``) plus one verification step's
+    ``step_room``.
+
+    >>> check_fits(100, 50, 8192, step_room=129, budget=279)   # 100 + 50 + 129 = 279: it fits
+    >>> check_fits(100, 51, 8192, step_room=129, budget=279)
+    Traceback (most recent call last):
+    ...
+    verifier_svc.events.NeverFits: the request needs up to 280 KV cache positions (prompt 100 + max_tokens 51 + ...
+    """
+    need = min(prompt_tokens + max_tokens, max_context) + step_room
+    if need > budget:
+        raise NeverFits(
+            f"the request needs up to {need} KV cache positions (prompt {prompt_tokens} + max_tokens "
+            f"{max_tokens} + {step_room} for a verification step), over this verifier's KV "
+            f"budget of {budget} positions (--kv-cache-memory); send a shorter prompt or a lower max_tokens"
+        )
+
+
+def need_blocks(blocks: BlockManager, seq: sequence.Sequence, step_room: int) -> int:
+    """Blocks ``seq`` must add before its next step, past those it holds: room for its cache target
+    (a joining request's whole prompt) and one step (``step_room`` positions)."""
+    held = len(seq.blocks.blocks) if seq.blocks is not None else 0
+    return max(blocks.blocks_for(seq.cache_target + step_room) - held, 0)
 
 
 def admits(free_blocks: int, running_needs: Sequence[int], candidate: int, margin: int) -> bool:

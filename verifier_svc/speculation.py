@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -72,6 +72,7 @@ class SpeculationConfig:
     proposer_timeout_s: float = 2.0  # no answer for this long → speculation off for the request
     recent_tokens: int = 32  # how far a late tree may be re-rooted (greedy requests)
     packed_steps: bool = True  # steps hold real tokens only (each row pays for its own tree): the gate sizes rows apart
+    k_cap: bool = True  # the router's k caps chain-model trees (off: the gate alone sizes them; an ablation's knob)
 
 
 class ProposerRefused(Exception):
@@ -90,6 +91,7 @@ class SpeculationControl:
     ``open_session``: opens a request's proposer stream.
     ``trees_arrived``: the condition proposer sessions notify when a tree lands.
     ``learn``: told every finished request's output (``learning.OutputLearning.finished``).
+    ``clock``: seconds, for proposer liveness and the wait for trees (a replay gives a modelled one).
     """
 
     def __init__(
@@ -101,11 +103,28 @@ class SpeculationControl:
         open_session: SessionFactory | None = None,
         trees_arrived: threading.Condition | None = None,
         learn: OutputHook | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config, self.router, self.step_cost = config, router, step_cost
         self.metrics, self.open_session, self.learn = metrics, open_session, learn
         self.trees_arrived = trees_arrived or threading.Condition()
         self.last_wait = 0.0  # seconds this step waited for trees
+        self.clock = clock  # the sessions' ``last_response`` is on this clock too
+
+    # --- the engine's questions -----------------------------------------------------------------
+    def fit_runner(self, packs: bool) -> None:
+        """The engine's runner is known: packed steps need its own attention (``packs``), so a model
+        it cannot pack keeps padded steps."""
+        self.config = replace(self.config, packed_steps=self.config.packed_steps and packs)
+
+    @property
+    def packed(self) -> bool:
+        """Whether decode steps with ragged trees run packed (each row pays for its own tree)."""
+        return self.config.packed_steps
+
+    def speculating(self, seq: Sequence) -> bool:
+        """Whether the request has a live proposer stream now (its trees may gain nodes this step)."""
+        return seq.speculation.session is not None
 
     # --- the gRPC front, on the event loop ------------------------------------------------------
     async def start(self, req: GenerationRequest, batch: int) -> RequestSpeculation:
@@ -135,7 +154,8 @@ class SpeculationControl:
                 session.close()
                 raise ProposerRefused(code, f"spec_decode.proposer {d.proposer!r} refused the request: {details}")
         estimate = self.router.estimate(d.proposer, params.workload_tag) if session is not None else None
-        k_cap = cap_of(d.k) if self.step_cost is not None else None  # --spec-gating always: the gate never cuts
+        # --spec-gating always: the gate never cuts, nor does k
+        k_cap = cap_of(d.k) if self.step_cost is not None and self.config.k_cap else None
         return RequestSpeculation.start(session, k_cap, estimate, why_plain)
 
     def abandon(self, state: RequestSpeculation) -> None:
@@ -168,7 +188,10 @@ class SpeculationControl:
             if max(choose_widths(chains, self._cost(seqs), self.config.packed_steps)) == 1:
                 promising = []
         wanted = [(s.speculation.session, s.context_length) for s in promising]
-        waited = wait_for_trees(self.trees_arrived, wanted, self.config.proposer_wait_ms / 1e3) if wanted else 0.0
+        t0 = self.clock()  # the wait as this control's clock sees it (a replay's stands still)
+        if wanted:
+            wait_for_trees(self.trees_arrived, wanted, self.config.proposer_wait_ms / 1e3)
+        waited = self.clock() - t0 if wanted else 0.0
         self.last_wait = waited
         trees = []
         for seq in seqs:
@@ -198,7 +221,7 @@ class SpeculationControl:
         sent = state.session.sent
         complete = tree is not None and sent is not None and ended_by_proposer(sent, state.session.limits)
         state.offered = tree if complete else None
-        now = time.perf_counter()
+        now = self.clock()
         if tree is not None:
             state.last_tree = now
             # The router's k caps a tree priced by the chain model; whether to speculate at all is
@@ -317,7 +340,7 @@ class SpeculationControl:
         context must include them; its liveness clock starts at the first."""
         state = seq.speculation
         if first:
-            state.last_tree = time.perf_counter()
+            state.last_tree = self.clock()
         if state.session is not None and not seq.done and tokens:
             state.session.advance(tokens, hidden)
 

@@ -381,3 +381,23 @@ def test_a_verifier_held_to_a_small_kv_budget_refuses_what_never_fits_and_finish
     finally:
         stop.set()
         stop_verifier(v)
+
+
+def test_a_request_that_could_not_fit_alone_is_refused_naming_its_need_and_the_budget():
+    admission.check_fits(100, 50, 8192, step_room=ROOM, budget=150 + ROOM)
+    with pytest.raises(NeverFits, match=f"needs up to {151 + ROOM} KV cache positions .* budget of {150 + ROOM}"):
+        admission.check_fits(100, 51, 8192, step_room=ROOM, budget=150 + ROOM)
+    admission.check_fits(100, 10**6, 200, step_room=ROOM, budget=200 + ROOM)  # the context caps max_tokens
+
+
+def test_a_requests_need_is_its_cache_target_and_a_step_past_the_blocks_it_holds():
+    from specmesh_server.kv_blocks import BlockManager, BlockPool
+    from verifier_svc.sequence import Sequence
+
+    blocks = BlockManager(BlockPool(64, block_size=16))
+    seq = Sequence(key=0, req=_request(list(range(40)), 8), sink=print, detok=None, stopper=None, arrival=0.0)
+    assert admission.need_blocks(blocks, seq, step_room=ROOM) == blocks.blocks_for(40 + ROOM)  # waiting: all of it
+    seq.blocks = blocks.open(b"", list(range(40)))
+    blocks.grow(seq.blocks, 64)
+    assert admission.need_blocks(blocks, seq, step_room=ROOM) == blocks.blocks_for(40 + ROOM) - 4
+    assert admission.need_blocks(blocks, seq, step_room=0) == 0  # holds more than it needs: nothing to add

@@ -273,8 +273,7 @@ def test_sampled_outputs_under_a_schema_with_speculation_all_validate_and_metric
     registry = CollectorRegistry()
     metrics = VerifierMetrics(registry, model="m")
     compiler = GrammarCompiler(lm.tokenizer, lm.model.config.vocab_size, {2}, metrics=metrics)
-    eng = engine_factory()
-    eng.metrics = metrics
+    eng = engine_factory(metrics=metrics)
     prompts = [chat_ids(p) for p in PROMPTS[:4]] * 2
     outs = _run(eng, compiler, prompts, [JSON_SPEC] * 8, 96, True, temperature=0.8, seed=7)
     for out in outs:
