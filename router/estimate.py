@@ -38,22 +38,26 @@ class Served:
     True
     >>> Served.of(AcceptanceStats.served(3, 6, 0.08), min_steps=2, rows=1) is None    # too little to go by
     True
+    >>> Served.of(s + AcceptanceStats.served(2, 0, 0.1, rows=8), min_steps=3, rows=None)    # pooled over sizes
+    Served(tokens=2.0, nodes=2.0, seconds=0.08, steps=3.0, rows=0)
     """
 
     tokens: float
     nodes: float
     seconds: float
     steps: float  # decayed steps behind the means
-    rows: int = 1  # a batch size of the bucket they were measured in
+    rows: int = 1  # a batch size of the bucket they were measured in (0: pooled over every batch size)
 
     @classmethod
-    def of(cls, stats: AcceptanceStats | None, min_steps: float, rows: int) -> Served | None:
+    def of(cls, stats: AcceptanceStats | None, min_steps: float, rows: int | None) -> Served | None:
+        """The figures at ``rows``' batch bucket (None: pooled over every batch size), where there
+        are ``min_steps`` steps of them."""
         if stats is None:
             return None
-        n, tokens, nodes, _, seconds = stats.served_in(batch_bucket(rows))
+        n, tokens, nodes, _, seconds = stats.served_in(None if rows is None else batch_bucket(rows))
         if n < min_steps or n <= 0:
             return None
-        return cls(tokens / n, nodes / n, seconds / n, n, rows)
+        return cls(tokens / n, nodes / n, seconds / n, n, rows or 0)
 
 
 def ranking_rows(evidence: Sequence[Sequence[AcceptanceStats | None]], min_steps: float, rows: int) -> int:
@@ -112,12 +116,13 @@ def posterior(
     depth: int,
     count_ends: bool = True,
     min_served: float = math.inf,
-    rows: int = 1,
+    rows: int | None = 1,
 ) -> Posterior:
     """Per-depth Beta posteriors from shared statistics. Prior mean at depth d: the pooled (all
     workload tags) statistics where they exist, else the posterior mean one level up (depth 1:
     ``prior_mean``), worth ``strength`` trials. ``served``: the tag's measured steps in batches of
-    ``rows``' bucket where it has ``min_served`` of them, else the pooled ones', else None.
+    ``rows``' bucket (None: in batches of every size) where it has ``min_served`` of them, else the
+    pooled ones', else None.
 
     ``count_ends``: where the proposer's own trees ended (``AcceptanceStats.ends``) counts as a miss,
     so α is per step, whatever the proposer had: what the router compares proposers by. Without,

@@ -42,6 +42,7 @@ class SelectionConfig:
     prior_strength: float = 2.0  # pseudo-trials behind a prior
     max_k: int = 32  # draft tokens per step, at most
     min_served_steps: float = 64.0  # decayed steps of a proposer before its measured goodput ranks it
+    served_by_batch: bool = True  # rank by the figures measured at this batch size (off: pooled over all sizes)
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class Router:
             )
             for p in proposers
         ]
-        rows = ranking_rows(evidence, cfg.min_served_steps, batch)
+        rows = ranking_rows(evidence, cfg.min_served_steps, batch) if cfg.served_by_batch else None
         return [
             posterior(p, own, pooled, cfg.prior_mean, cfg.prior_strength, depth, count_ends, cfg.min_served_steps, rows)
             for p, (own, pooled) in zip(proposers, evidence, strict=True)
