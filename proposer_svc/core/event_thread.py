@@ -1,12 +1,18 @@
 """The thread a batching proposer's model state lives on (the draft model, the head): the streams
-only queue events; the thread takes every queued one at once, applies them, and drafts in between."""
+only queue events; the thread takes every queued one at once, applies them, and drafts in between.
+``QueuedCore`` is the streams' side: a pushed ``ProposalCore`` numbered by its opener, whose ``close``
+queues ``Close``."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
+from dataclasses import dataclass
 from typing import Any
 
+from proposer_svc.core.stream import Deliver, Opener
+from specmesh.v1 import proposer_pb2
 from specmesh_server.log_limit import RateLimitedLog
 from specmesh_server.torch_thread import ThreadLoop, TorchThread
 
@@ -67,3 +73,28 @@ class EventThread:
 
     def _pending(self) -> bool:
         return not self._inbox.empty()
+
+
+@dataclass
+class Close:
+    """The stream ``key`` ended: its state leaves the thread."""
+
+    key: int
+
+
+class QueuedCore:
+    """One stream's pushed ``ProposalCore`` over an ``EventThread``: its events go to ``loop.submit``
+    under ``key`` (the stream's number, from ``opener``), its trees come back through ``deliver``. A
+    subclass supplies ``start`` and ``advance``; ``close`` queues ``Close``."""
+
+    def __init__(self, loop: Any, key: int, start: proposer_pb2.ProposeStart, deliver: Deliver) -> None:
+        self.loop, self.key, self.start_msg, self.deliver = loop, key, start, deliver
+
+    def close(self) -> None:
+        self.loop.submit(Close(self.key))
+
+    @classmethod
+    def opener(cls, loop: EventThread) -> Opener:
+        """The ``Opener`` that gives each stream a core of this class over ``loop``, numbered 0, 1, …"""
+        keys = itertools.count()
+        return lambda start, deliver: cls(loop, next(keys), start, deliver)

@@ -10,16 +10,16 @@ independent of the target's.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from proposer_svc.core.event_thread import EventThread
+from proposer_svc.core.event_thread import Close, EventThread, QueuedCore
 from proposer_svc.core.process import ServingConfig, add_serving_flags, proposer_server, serve_proposer, serving_config
-from proposer_svc.core.stream import Deliver, Opener, ProposeStream, StreamConfig, StreamLimits
+from proposer_svc.core.stream import Deliver, ProposeStream, StreamConfig, StreamLimits
 from proposer_svc.core.tree_flags import add_tree_flags, tree_settings
+from proposer_svc.core.tree_message import tree_response
 from specmesh.v1 import proposer_pb2
 from specmesh_server.flags import ServiceFlags
 from specmesh_server.log_limit import RateLimitedLog
@@ -46,11 +46,6 @@ class _Advance:
     key: int
     tokens: list[int]
     budget: proposer_pb2.TreeBudget  # the stream's, already within this proposer's limits
-
-
-@dataclass
-class _Close:
-    key: int
 
 
 class DraftLoop(EventThread):
@@ -85,7 +80,7 @@ class DraftLoop(EventThread):
         if got is not None:
             got[1](None)
 
-    def _apply(self, ev: _Open | _Advance | _Close) -> None:
+    def _apply(self, ev: _Open | _Advance | Close) -> None:
         if isinstance(ev, _Open):
             ev.state.slot = len(self._states)
             self._states.append(ev.state)
@@ -142,9 +137,7 @@ class DraftLoop(EventThread):
                 if tree is not None:
                     if self.metrics is not None:
                         self.metrics.proposal(len(tree.tokens), seconds)
-                    dists = [proposer_pb2.NodeDistribution(ids=i, probs=p) for i, p in tree.dists or ()]
-                    msg = proposer_pb2.TokenTree(tokens=tree.tokens, parents=tree.parents, distributions=dists)
-                    self._deliver(s, proposer_pb2.ProposeResponse(context_length=tree.context_length, tree=msg))
+                    self._deliver(s, tree_response(tree.context_length, tree))
         self.proposals += 1
         self.propose_s += time.perf_counter() - t0
 
@@ -154,11 +147,10 @@ class DraftLoop(EventThread):
             deliver(resp)
 
 
-class DraftStream:
+class DraftStream(QueuedCore):
     """One stream's ``ProposalCore``: queues its events for the loop, which delivers the trees."""
 
-    def __init__(self, loop: DraftLoop, key: int, start: proposer_pb2.ProposeStart, deliver: Deliver) -> None:
-        self.loop, self.key, self.start_msg, self.deliver = loop, key, start, deliver
+    loop: DraftLoop
 
     def start(self, prompt: list[int], budget: proposer_pb2.TreeBudget) -> None:
         from proposer_svc.draft.proposer import RequestState
@@ -178,14 +170,6 @@ class DraftStream:
 
     def advance(self, tokens: list[int], budget: proposer_pb2.TreeBudget) -> None:
         self.loop.submit(_Advance(self.key, tokens, budget))
-
-    def close(self) -> None:
-        self.loop.submit(_Close(self.key))
-
-
-def draft_opener(loop: DraftLoop) -> Opener:
-    keys = itertools.count()
-    return lambda start, deliver: DraftStream(loop, next(keys), start, deliver)
 
 
 def draft_stream_config(
@@ -303,7 +287,9 @@ async def run(cfg: DraftServerConfig) -> None:
     metrics = ProposerMetrics("draft")
     loop = DraftLoop(Drafter(runner, config), metrics, thread)
     loop.start()
-    servicer = ProposeStream(draft_stream_config(identity, config, cfg.serving.limits), draft_opener(loop), metrics)
+    servicer = ProposeStream(
+        draft_stream_config(identity, config, cfg.serving.limits), DraftStream.opener(loop), metrics
+    )
     try:
         await serve_proposer(proposer_server(cfg.serving), servicer, cfg.serving, "draft")
     finally:

@@ -15,17 +15,17 @@ training it once first (``specmesh head train``; minutes stated up front, path p
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from proposer_svc.core.event_thread import EventThread
+from proposer_svc.core.event_thread import Close, EventThread, QueuedCore
 from proposer_svc.core.process import ServingConfig, add_serving_flags, proposer_server, serve_proposer, serving_config
-from proposer_svc.core.stream import Deliver, Opener, ProposeStream, StreamConfig
+from proposer_svc.core.stream import Deliver, ProposeStream, StreamConfig
 from proposer_svc.core.tree_flags import add_tree_flags, tree_settings
+from proposer_svc.core.tree_message import tree_response
 from specmesh.v1 import proposer_pb2
 from specmesh_server.flags import ServiceFlags
 from specmesh_server.log_limit import RateLimitedLog
@@ -67,11 +67,6 @@ class _Advance:
     budget: proposer_pb2.TreeBudget
 
 
-@dataclass
-class _Close:
-    key: int
-
-
 class HeadLoop(EventThread):
     """The drafting thread: applies queued events, then drafts all owed trees in batches."""
 
@@ -102,10 +97,10 @@ class HeadLoop(EventThread):
         if r is not None:
             r.deliver(None)
 
-    def _apply(self, ev: _Open | _Advance | _Close) -> None:
+    def _apply(self, ev: _Open | _Advance | Close) -> None:
         if isinstance(ev, _Open):
             self._requests[ev.key] = ev.request
-        elif isinstance(ev, _Close):
+        elif isinstance(ev, Close):
             self._requests.pop(ev.key, None)
         elif (r := self._requests.get(ev.key)) is not None:
             r.token, r.state, r.wanted = ev.tokens[-1], ev.state, True
@@ -141,22 +136,15 @@ class HeadLoop(EventThread):
         for r, tree in zip(ready, trees, strict=True):
             if self.metrics is not None:
                 self.metrics.proposal(len(tree.tokens), seconds)
-            dists = [proposer_pb2.NodeDistribution(ids=i, probs=p) for i, p in tree.dists or ()]
-            msg = proposer_pb2.TokenTree(
-                tokens=tree.tokens,
-                parents=tree.parents,
-                distributions=dists,
-                path_probs=tree.probs if tree.dists is None else [],  # sampled shapes are never cut by value
-            )
-            r.deliver(proposer_pb2.ProposeResponse(context_length=r.search.context_length, tree=msg))
+            probs = tree.probs if tree.dists is None else ()  # sampled shapes are never cut by value
+            r.deliver(tree_response(r.search.context_length, tree, probs))
 
 
-class HeadStream:
+class HeadStream(QueuedCore):
     """One stream's core (``StateTaker``): asks for hidden states, queues events for the loop."""
 
-    def __init__(self, loop: HeadLoop, key: int, start: proposer_pb2.ProposeStart, deliver: Deliver) -> None:
-        self.loop, self.key, self.start_msg, self.deliver = loop, key, start, deliver
-        self._state: torch.Tensor | None = None
+    loop: HeadLoop
+    _state: torch.Tensor | None = None  # [H]: the last Advance's state, until ``advance`` queues it
 
     def start(self, prompt: list[int], budget: proposer_pb2.TreeBudget) -> proposer_pb2.ProposeResponse:
         from proposer_svc.core.tree_search import SearchRow
@@ -179,14 +167,6 @@ class HeadStream:
         state, self._state = self._state, None
         if tokens:
             self.loop.submit(_Advance(self.key, tokens, state, budget))
-
-    def close(self) -> None:
-        self.loop.submit(_Close(self.key))
-
-
-def head_opener(loop: HeadLoop) -> Opener:
-    keys = itertools.count()
-    return lambda start, deliver: HeadStream(loop, next(keys), start, deliver)
 
 
 # --- process --------------------------------------------------------------------------------
@@ -282,7 +262,7 @@ async def run(cfg: HeadServerConfig) -> None:
     )
     try:
         await serve_proposer(
-            proposer_server(cfg.serving), ProposeStream(config, head_opener(loop), metrics), cfg.serving, "head"
+            proposer_server(cfg.serving), ProposeStream(config, HeadStream.opener(loop), metrics), cfg.serving, "head"
         )
     finally:
         loop.stop()
