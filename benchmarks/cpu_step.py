@@ -4,7 +4,8 @@ time, and where a step's time goes.
 Two verifier CPU runners on the default model, one per mode, over the paged cache as the verifier
 runs it. A mode is a ``--linears`` value (or ``gguf``: ``--weights gguf``, the shipped file's Q4_1 / Q8_0
 blocks), with ``/transformers`` for transformers' own layer forward
-instead of ``lean_llama``'s (default: ``gemv`` — today's default — against ``packed/transformers``,
+instead of ``lean_llama``'s, ``/python`` for the lean loop in Python rather than its native form
+(default: ``gemv`` — today's default — against ``packed/transformers``,
 the step before issue 55). For each step shape — plain decode at batch 1
 and 8, and 17-token trees (the pending token and 16 nodes) at batch 1 and 8, after a ``--context``-token
 prefix — steps alternate A, B, A, B … so drift hits both alike; the ratio is the median of per-pair
@@ -100,7 +101,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--modes", default="gemv,packed/transformers", help="two modes, A,B (ratio B / A): LINEARS[/transformers]"
+        "--modes",
+        default="gemv,packed/transformers",
+        help="two modes, A,B (ratio B / A): LINEARS[/transformers|/python] (python: the lean loop, not native)",
     )
     ap.add_argument("--profile", action="store_true", help="also the first mode's time by kind of work")
     args = ap.parse_args()
@@ -126,6 +129,8 @@ def main() -> None:
         runners[mode] = ModelRunner(
             lm.model, lm.device, lm.dtype, 4096, linears=linears, block_size=16, lean=forward != "transformers"
         )
+        if forward == "python":  # lean_llama's loop in Python, not the native one
+            runners[mode].decoder.native = None
     a, b = modes
     print(
         f"# The CPU step ({cpu_name()}, {args.threads} threads, {args.pairs} pairs, {args.context}-token context)\n\n"

@@ -3,10 +3,16 @@ its loader and its reference.
 
 At batch 1 a decode step multiplies one row by every weight matrix, so it costs one read of the
 weights. oneDNN (packed weights) and MKL (stock ``F.linear``) spend 1.6–2.2x that read on such
-products: on a 2-core EPYC, SmolLM2-135M's 211 linears at 1 row take 35–53 ms, this kernel 22 ms
-(the memory reads ~28 GB/s; ``Tensor.sum`` over the same bytes ~30 GB/s). From about 8 rows on the
-product is bound by arithmetic, where oneDNN's blocked GEMM wins: the caller chooses by row count
+products: on a 2-core EPYC, SmolLM2-135M's 211 linears at 1 row take 35–53 ms, this kernel 17 ms
+(~31 GB/s; ``Tensor.sum`` over the same bytes read 28 GB/s that hour). Each thread reads its weight
+rows one after another, one sequential stream (reading 8 rows side by side, 8 streams, was 1.4–1.6x
+slower). From about 4 rows on, oneDNN's blocked GEMM is as fast: the caller chooses by row count
 (``specmesh_server.packed_linear``).
+
+The same library holds the decoder loop that calls these linears (``cpu_decoder.cpp``,
+:func:`decode_layers`): a CPU step's every layer in one call, the same operators in the same order as
+``specmesh_server.lean_llama``'s Python loop (its reference, tested bit for bit), without a Python call
+per operator.
 
 The kernel (``cpu_linear.cpp``) is built once with torch's extension builder (g++, ninja) into a
 folder the caller names, and runs on torch's own intra-op thread pool (``at::parallel_for``), so it
@@ -25,16 +31,21 @@ import hashlib
 import logging
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+# the linears, and the decoder loop that calls them (cpu_decoder.cpp): one library, specmesh_cpu
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_decoder.cpp"))
+HEADER = Path(__file__).with_name("cpu_linear.h")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 STALE_LOCK_S = 600  # a build takes ~20-60 s; a lock this old is a killed builder's
 # ggml's numbers for the block formats ``linear_gguf`` reads (gguf.GGMLQuantizationType)
 GGML_Q4_1, GGML_Q8_0 = 3, 8
+# the other kinds of weight ``decode_layers`` multiplies by: this module's float32 kernel, oneDNN's packed weights
+FLOAT32, ONEDNN = -1, -2
 
 
 def cpu_supported() -> bool:
@@ -51,7 +62,8 @@ def load(build_dir: Path) -> bool:
     if not cpu_supported():
         log.warning("cpu_linear: this CPU has no AVX2/FMA; the kernel is not used")
         return False
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    code = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
+    digest = hashlib.sha256(code + " ".join(CFLAGS).encode() + torch.__version__.encode())
     folder = build_dir / f"specmesh_cpu-{digest.hexdigest()[:16]}"
     library = folder / "specmesh_cpu.so"
     try:
@@ -64,7 +76,7 @@ def load(build_dir: Path) -> bool:
                 lock.unlink(missing_ok=True)
             build(
                 name="specmesh_cpu",
-                sources=[str(SOURCE)],
+                sources=[str(p) for p in SOURCES],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
@@ -81,6 +93,77 @@ def load(build_dir: Path) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] · weight [N, K]ᵀ (+ bias [N]) → [..., N], float32 CPU tensors (after :func:`load`)."""
     return torch.ops.specmesh_cpu.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class InPlaceReads:
+    """A forward's cache writes and each row's reads where they lie (``specmesh_server.paged_kv``), as
+    :func:`decode_layers` takes them. Row r reads its runs (rows of ``runs`` whose first column is r, in
+    order), then its copied run, if ``gathered[r, 1]`` > 0.
+
+    >>> InPlaceReads.of([7], [], 16, [(0, 32, 0, 300, 1)], [(0, 0, 0)], b=1).runs.tolist()
+    [[0, 32, 0, 300, 1]]
+    """
+
+    write: torch.Tensor  # int64 [tokens]: each new token's slot
+    read_blocks: torch.Tensor  # int64 [m]: the blocks the rows' short runs copy, in order
+    block_size: int
+    runs: torch.Tensor  # int64 [R, 5]: row, slot, start, stop, masked
+    gathered: torch.Tensor  # int64 [b, 3]: slot in the copies, count (0: none), masked
+    positions: tuple[torch.Tensor, ...]  # int64 [count] per row: the copied run's positions
+
+    @staticmethod
+    def of(write, read_blocks, block_size, runs, gathered, b, positions=None) -> InPlaceReads:
+        """From plain lists (``positions`` default: none copied)."""
+        empty = torch.empty(0, dtype=torch.long)
+        return InPlaceReads(
+            torch.as_tensor(write, dtype=torch.long),
+            torch.as_tensor(read_blocks, dtype=torch.long),
+            block_size,
+            torch.as_tensor(runs, dtype=torch.long).view(-1, 5),
+            torch.as_tensor(gathered, dtype=torch.long).view(b, 3),
+            tuple(positions) if positions is not None else (empty,) * b,
+        )
+
+
+def decoder_loaded() -> bool:
+    """Whether the library holding :func:`decode_layers` is loaded (:func:`load`)."""
+    try:
+        torch.ops.specmesh_cpu.decode_layers  # noqa: B018 (the lookup fails where it is not registered)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def decode_layers(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norms: list[torch.Tensor],
+    products: list[torch.Tensor],
+    kinds: list[int],
+    pools: tuple[torch.Tensor, torch.Tensor],
+    reads: InPlaceReads,
+    mask: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+    scaling: float,
+) -> torch.Tensor:
+    """Every decoder layer of a CPU step over the paged cache read in place (after :func:`load`); returns
+    x after the last layer (before the final norm). See ``cpu_decoder.cpp``.
+
+    x: float32 [b, n, hidden]; cos, sin: [b·n, D]; norms: per layer the input and post-attention norms'
+    weights; products: per layer qkv, o, gate_up, down (fused: q/k/v and gate/up concatenated) or q, k, v,
+    o, gate, up, down; kinds: each product's (``FLOAT32``: this module's kernel, ``ONEDNN``: a weight packed
+    by ``torch.ops.mkldnn._reorder_linear_weight``, otherwise a GGUF type for :func:`linear_gguf`); pools:
+    keys, values float32 [layers, kv_heads, slots, D]; mask: the folded mask float32 [b, 1, g·n, kv_len].
+    """
+    r = reads
+    return torch.ops.specmesh_cpu.decode_layers(
+        x, cos, sin, norms, products, kinds, *pools, r.write, r.read_blocks, r.block_size, r.runs, r.gathered,
+        list(r.positions), mask, heads, kv_heads, eps, scaling,
+    )  # fmt: skip
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

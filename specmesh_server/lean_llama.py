@@ -19,6 +19,11 @@ Every output is the same sum in the same order as transformers' forward over the
 fused product's rows are its parts' rows; the elementwise steps are the same per element), so the
 logits equal theirs: lossless by construction, tested against the stock forward.
 
+Where every product of a step runs on this package's kernels (float32 steps of at most ``GEMV_ROWS``
+rows, GGUF blocks at any) and the paged cache is read in place, the whole loop runs in one native call
+instead (:class:`NativeLoop`, ``specmesh_kernels.cpu_linear.decode_layers``): the same operators in the
+same order, so the same bits, without a Python call per operator.
+
 Only plain Llama layers take it (``supports``): SiLU MLP, no biases, the default or a scaled rotary
 embedding transformers computes (its own module is called), no sliding window. Others keep
 transformers' forward.
@@ -36,6 +41,7 @@ from specmesh_kernels import cpu_linear
 from specmesh_server import attention
 from specmesh_server.gguf_weights import GGUFLinear
 from specmesh_server.packed_linear import GEMV_ROWS, PackedLinear
+from specmesh_server.paged_kv import PagedKVCache
 
 
 def supports(model: Any) -> bool:
@@ -106,6 +112,76 @@ def _fuse(modules: list[Any]) -> Fused | None:
     return Fused(fused, kind, rows)
 
 
+@dataclass(frozen=True)
+class Products:
+    """Every layer's products for ``decode_layers``, and the most rows a step may bring to take them."""
+
+    weights: list[torch.Tensor]  # per layer: qkv, o, gate_up, down (fused) or q, k, v, o, gate, up, down
+    kinds: list[int]
+    rows: int
+
+
+def _small(module: Any) -> tuple[torch.Tensor, int, int] | None:
+    """(weight, kind, most rows) of a linear a small step multiplies in the native loop: float32 plain weights
+    (up to the rows the matrix-vector kernel takes) or GGUF blocks (any rows); None otherwise."""
+    if isinstance(module, GGUFLinear):
+        return module.blocks, module.kind, 1 << 62
+    if isinstance(module, PackedLinear) and module.plain is not None and module.bias is None:
+        return module.plain, cpu_linear.FLOAT32, module.gemv_numel // module.in_features
+    return None
+
+
+def _small_products(layers: list[Layer], modules: list[list[Any]]) -> Products | None:
+    """The fused products (q/k/v, gate/up), as a step of few rows takes them in Python."""
+    weights, kinds, rows = [], [], 1 << 62
+    for layer, (*_, o, _gate, _up, down) in zip(layers, modules, strict=True):
+        parts = [_small(o), _small(down)]
+        if layer.qkv is None or layer.gate_up is None or None in parts:
+            return None
+        (ow, ok, orows), (dw, dk, drows) = parts
+        weights += [layer.qkv.weight, ow, layer.gate_up.weight, dw]
+        kinds += [_kind(layer.qkv), ok, _kind(layer.gate_up), dk]
+        rows = min(rows, layer.qkv.rows, layer.gate_up.rows, orows, drows)
+    return Products(weights, kinds, rows)
+
+
+def _large_products(modules: list[list[Any]]) -> Products | None:
+    """oneDNN's seven products a layer, as a float32 step of more rows takes them in Python."""
+    if not all(isinstance(m, PackedLinear) and m.bias is None for layer in modules for m in layer):
+        return None
+    return Products([m.packed for layer in modules for m in layer], [cpu_linear.ONEDNN] * 7 * len(modules), 1 << 62)
+
+
+def _kind(fused: Fused) -> int:
+    return cpu_linear.FLOAT32 if fused.kind is None else fused.kind
+
+
+@dataclass(frozen=True)
+class NativeLoop:
+    """What ``decode_layers`` takes: the norms, and the products a step of few rows (``small``) or more
+    (``large``) runs; a step neither takes keeps the Python loop."""
+
+    norms: list[torch.Tensor]  # per layer: input, post-attention
+    small: Products | None
+    large: Products | None
+
+    @staticmethod
+    def of(layers: list[Layer], modules: list[list[Any]]) -> NativeLoop | None:
+        """For ``layers`` (their linear modules ``modules``: q, k, v, o, gate, up, down); None where no step can run."""
+        if not cpu_linear.decoder_loaded():
+            return None
+        small, large = _small_products(layers, modules), _large_products(modules)
+        if small is None and large is None:
+            return None
+        return NativeLoop([w for layer in layers for w in (layer.norm_in, layer.norm_post)], small, large)
+
+    def products(self, rows: int) -> Products | None:
+        for products in (self.small, self.large):
+            if products is not None and rows <= products.rows:
+                return products
+        return None
+
+
 class LeanLlama:
     """Callable as the runner's decoder: ``(input_ids, attention_mask, position_ids, cache, **kwargs)`` →
     ``DecoderOutput``. Holds transformers' decoder and reads its weights; fuses q/k/v and gate/up plain
@@ -139,6 +215,11 @@ class LeanLlama:
         self.head_dim, self.scaling = int(first.head_dim), first.scaling
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
+        modules = [  # q, k, v, o, gate, up, down
+            [getattr(a, f"{n}_proj") for n in "qkvo"] + [getattr(m, f"{n}_proj") for n in ("gate", "up", "down")]
+            for a, m in ((layer.self_attn, layer.mlp) for layer in decoder.layers[: cfg.num_hidden_layers])
+        ]
+        self.native = NativeLoop.of(self.layers, modules)
 
     def __call__(
         self,
@@ -157,6 +238,14 @@ class LeanLlama:
         cos, sin = cos[:, :, None], sin[:, :, None]  # [b, n, 1, D]: every head
         rows = b * n
         heads, kv, dim, shape = self.heads, self.kv_heads, self.head_dim, (self.hidden,)
+        products = self.native.products(rows) if self.native is not None and not kwargs else None
+        if products is not None and isinstance(cache, PagedKVCache) and (reads := cache.in_place_reads()) is not None:
+            x = cpu_linear.decode_layers(
+                x, cos.reshape(rows, dim), sin.reshape(rows, dim), self.native.norms, products.weights,
+                products.kinds, cache.pools, reads, attention.folded_mask(attention_mask, heads // kv), heads, kv,
+                self.eps, self.scaling,
+            )  # fmt: skip
+            return DecoderOutput(torch.rms_norm(x, shape, d.norm.weight, self.eps))
         for i, layer in enumerate(self.layers):
             h = torch.rms_norm(x, shape, layer.norm_in, self.eps)
             if layer.qkv is not None and rows <= layer.qkv.rows:

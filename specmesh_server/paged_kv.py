@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specmesh_kernels.cpu_linear import InPlaceReads
 from specmesh_server.kv_blocks import BlockManager, BlockPool, BlockTable
 from specmesh_server.kv_cache import bytes_per_position
 from specmesh_server.staging import upload
@@ -402,6 +403,25 @@ class PagedKVCache:
             return BlockContext(layers[0], self._reads, copied[0]), BlockContext(layers[1], self._reads, copied[1])
         rows = [o.view(heads, b, -1, dim)[:, :, :kv_len].transpose(0, 1) for o in out]  # [b, kv_heads, kv_len, dim]
         return rows[0], rows[1]
+
+    @property
+    def pools(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's keys and values: [layers, kv_heads, slots, head_dim] each."""
+        return self._pools[0], self._pools[1]
+
+    def in_place_reads(self) -> InPlaceReads | None:
+        """The current forward's writes and rows' reads as the native decoder loop takes them
+        (``specmesh_kernels.cpu_linear.decode_layers``); None unless it reads in place."""
+        if self._reads is None or self._table is not None:
+            return None
+        runs, gathered, positions = [], [], []
+        empty = torch.empty(0, dtype=torch.long)
+        for i, row in enumerate(self._reads):
+            runs += [(i, r.slot, r.start, r.stop, int(r.stop > row.shared)) for r in row.runs]
+            g = row.gathered
+            gathered.append((0, 0, 0) if g is None else (g.slot, g.positions.numel(), int(g.last >= row.shared)))
+            positions.append(empty if g is None else g.positions)
+        return InPlaceReads.of(self._write, self._read, self.block_size, runs, gathered, len(self._reads), positions)
 
     def copy_positions(self, table: BlockTable, src: torch.Tensor, dst_start: int) -> None:
         """Move positions ``src`` (int64 [m], ascending) of ``table``'s request to ``dst_start..+m-1``:

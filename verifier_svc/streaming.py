@@ -53,9 +53,11 @@ class Streams:
         self.stats.generated_tokens += len(event.token_ids)
         self.observer.streamed(seq, len(event.token_ids))
         seq.sink(event)
+        # the proposer's context gets the step's tokens before its stream ends: a proposer that learns
+        # from the stream (suffix) learns the whole output, the final step's tokens included
+        self.speculation.emitted(seq, seq.output[before:], hidden, first)
         if reason:
             self.finish(seq, reason)
-        self.speculation.emitted(seq, seq.output[before:], hidden, first)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """The request ended at a limit (``reason``: "eos" | "length" | "stop")."""

@@ -37,6 +37,88 @@ def test_the_lean_forward_equals_transformers_forward_bit_for_bit(tiny_llama, li
         assert torch.equal(got, want)
 
 
+@pytest.fixture
+def native_calls(monkeypatch):
+    """The token shapes of the steps the native decoder loop ran (a spy on ``cpu_linear.decode_layers``)."""
+    calls, native = [], cpu_linear.decode_layers
+
+    def spy(x, *args):
+        calls.append(tuple(x.shape[:2]))
+        return native(x, *args)
+
+    monkeypatch.setattr(cpu_linear, "decode_layers", spy)
+    return calls
+
+
+@pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
+def test_the_native_loop_runs_every_step_over_the_paged_cache(tiny_llama, native_calls):
+    """Every step over the paged cache runs natively: the prefills and the 8-token tree step on oneDNN's
+    products, the decode steps of 2 rows and of 1 (at most GEMV_ROWS tokens) on the fused ones."""
+    runner = ModelRunner(tiny_llama, torch.device("cpu"), torch.float32, 256, linears="gemv", block_size=4)
+    native = runner.decoder.native
+    assert native is not None and native.small.rows == 4 and native.large is not None
+    support.runner_steps(runner)
+    assert native_calls == [(2, 20), (2, 4), (2, 1), (1, 20), (1, 1)]
+
+
+@pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
+@pytest.mark.parametrize("weights", ["gemv", "gguf"])
+def test_the_native_loop_equals_the_python_loop_over_long_runs_in_place(weights, native_calls):
+    """Contexts of ~600 positions: rows of two long runs read in place (their softmaxes merged by log-sum-exp)
+    and short runs copied, at decode (2 rows × 1) and tree steps (1 row × 4, masked), bit for bit."""
+    from specmesh_server.kv_blocks import BlockTable
+    from specmesh_server.model_runner import causal_mask
+
+    model = support.tiny_llama(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    if weights == "gguf":
+        _to_gguf(model)
+    runners = [
+        ModelRunner(copy.deepcopy(model), torch.device("cpu"), torch.float32, 1024, linears="gemv", block_size=16,
+                    kv_budget_bytes=1 << 22)
+        for _ in range(2)
+    ]  # fmt: skip
+    runners[0].decoder.native = None  # the reference: the same loop in Python
+    # row 0: blocks 0-19 and 40-59 (two runs of 320 positions in place); row 1: blocks 20-39 in place, then
+    # 61, 63, 65 and 67 (short runs, copied)
+    tables = [
+        BlockTable(b"", blocks=[*range(20), *range(40, 60)]),
+        BlockTable(b"", blocks=[*range(20, 40), 61, 63, 65, 67]),
+    ]
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (2, 660), generator=gen)
+    out = []
+    for runner in runners:
+        rows = runner.cache.rows(tables, 640)
+        pos = torch.arange(600)[None].expand(2, 600)
+        logits = [runner.logits(runner.forward(rows, ids[:, :600], pos, causal_mask(pos, 600)))]
+        for p in range(600, 604):  # four decode steps of both rows
+            last = torch.full((2, 1), p)
+            logits.append(runner.logits(runner.forward(rows, ids[:, p : p + 1], last, causal_mask(last, p + 1))))
+        tree = torch.tensor([[604, 605, 605, 606]])  # one row's tree, siblings apart
+        mask = causal_mask(torch.arange(604, 608)[None], 608)
+        mask[0, 2, 605] = False
+        write = torch.arange(604, 608)[None]
+        one = runner.cache.rows(tables[:1], 640)
+        logits.append(runner.logits(runner.forward(one, ids[:1, 604:608], tree, mask, write)))
+        out.append(logits)
+    for want, got in zip(*out, strict=True):
+        assert torch.equal(got, want)
+    assert native_calls == [(2, 600)] + [(2, 1)] * 4 + [(1, 4)]
+
+
+def _to_gguf(model) -> None:
+    """Every linear on Q4_1 blocks, the head on Q8_0."""
+    from gguf import GGMLQuantizationType, quantize
+
+    from specmesh_server.gguf_weights import GGUFLinear
+
+    swaps = [(p, n, c) for p in model.modules() for n, c in p.named_children() if isinstance(c, torch.nn.Linear)]
+    for parent, name, linear in swaps:
+        kind = GGMLQuantizationType.Q8_0 if name == "lm_head" else GGMLQuantizationType.Q4_1
+        blocks = torch.from_numpy(quantize(linear.weight.detach().numpy(), kind).copy())
+        setattr(parent, name, GGUFLinear(blocks, int(kind), linear.in_features))
+
+
 @pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
 def test_the_fused_weights_are_the_layers_own_memory(tiny_llama):
     runner = ModelRunner(tiny_llama, torch.device("cpu"), torch.float32, 256, linears="gemv")
@@ -51,16 +133,10 @@ def test_the_fused_weights_are_the_layers_own_memory(tiny_llama):
 @pytest.mark.parametrize("block_size", [None, 4])
 def test_over_gguf_blocks_the_lean_forward_equals_transformers_forward_over_them(block_size):
     """Every linear on Q4_1 blocks (the head on Q8_0): fused q/k/v and gate/up products at every step size."""
-    from gguf import GGMLQuantizationType, quantize
-
-    from specmesh_server.gguf_weights import GGUFLinear
+    from gguf import GGMLQuantizationType
 
     model = support.tiny_llama(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
-    swaps = [(p, n, c) for p in model.modules() for n, c in p.named_children() if isinstance(c, torch.nn.Linear)]
-    for parent, name, linear in swaps:
-        kind = GGMLQuantizationType.Q8_0 if name == "lm_head" else GGMLQuantizationType.Q4_1
-        blocks = torch.from_numpy(quantize(linear.weight.detach().numpy(), kind).copy())
-        setattr(parent, name, GGUFLinear(blocks, int(kind), linear.in_features))
+    _to_gguf(model)
     stock, lean = (
         ModelRunner(copy.deepcopy(model), torch.device("cpu"), torch.float32, 256, block_size=block_size, lean=lean)
         for lean in (False, True)

@@ -1,0 +1,224 @@
+// The Llama decoder's layers for one CPU step over the paged KV cache read in place, in one call: the loop
+// of specmesh_server/lean_llama.py with the same operators in the same order, so the same bits, without a
+// Python call per operator (a batch-1 step of SmolLM2-135M made ~30 of them a layer, 30 layers). Built with
+// cpu_linear.cpp into one library by cpu_linear.py.
+//
+// Per layer l (x [b, n, hidden]; T = b·n tokens; H heads, G key/value heads of D, g = H / G):
+//   h = rms_norm(x)                                    aten::rms_norm
+//   [q; k; v] = h · Wqkvᵀ                              the fused weight, cpu_linear (float32 or GGUF blocks);
+//                                                      or three products, oneDNN's (a step of more rows)
+//   q, k = x·cos + rotate_half(x)·sin                  in place, each product and the sum rounded apart
+//                                                      (as aten's mul, mul, add: fp-contract off)
+//   pool[l][:, slot(t)] = k(t), v(t)                   the tokens' cache slots
+//   attention per row over its runs of slots           aten::_scaled_dot_product_flash_attention_for_cpu
+//     (attention.paged_attention): runs merged by their log-sum-exp, exactly as there
+//   x = x + attn · Woᵀ
+//   h = rms_norm(x);  [g; u] = h · Wguᵀ;  x = x + (silu(g) · u) · Wdownᵀ
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "cpu_linear.h"
+
+namespace {
+
+// A weight's kind: plain float32 (cpu_linear's kernel), oneDNN's packed weight (torch's packed linear, for
+// steps of more rows), or otherwise its GGUF block type.
+constexpr int64_t kFloat32 = -1, kOneDNN = -2;
+
+at::Tensor onednn(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
+  if (kind == kOneDNN) return onednn(x, w);  // the dispatcher names it in a profile
+  // named as the operators are, so that a profile counts the products apart from the loop around them
+  RECORD_FUNCTION(kind == kFloat32 ? "specmesh_cpu::linear" : "specmesh_cpu::linear_gguf", std::vector<c10::IValue>());
+  return kind == kFloat32 ? specmesh_cpu::linear(x, w, c10::nullopt) : specmesh_cpu::linear_gguf(x, w, kind);
+}
+
+// qkv [T, (H + 2G)·D]: the first (H + G) heads of each token rotated in place by its cos, sin [T, D].
+__attribute__((optimize("fp-contract=off"))) void rope_inplace(
+    float* qkv, const float* cos, const float* sin, int64_t T, int64_t rotated, int64_t heads_all, int64_t D) {
+  const int64_t half = D / 2;
+  std::vector<float> src(D);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos + t * D;
+    const float* s = sin + t * D;
+    for (int64_t h = 0; h < rotated; ++h) {
+      float* v = qkv + (t * heads_all + h) * D;
+      std::memcpy(src.data(), v, D * sizeof(float));
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = src[d] * c[d];
+        const float r = -src[d + half] * s[d];
+        v[d] = a + r;
+      }
+      for (int64_t d = half; d < D; ++d) {
+        const float a = src[d] * c[d];
+        const float r = src[d - half] * s[d];
+        v[d] = a + r;
+      }
+    }
+  }
+}
+
+// The new tokens' keys (heads H..H+G) and values (H+G..H+2G) of qkv [T, H + 2G, D] into their slots of
+// one layer's pools [G, slots, D].
+void write_slots(const float* qkv, const int64_t* slots, int64_t T, int64_t H, int64_t G, int64_t D, float* keys,
+                 float* values, int64_t pool_slots) {
+  const int64_t heads_all = H + 2 * G;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* token = qkv + t * heads_all * D;
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t at = (h * pool_slots + slots[t]) * D;
+      std::memcpy(keys + at, token + (H + h) * D, D * sizeof(float));
+      std::memcpy(values + at, token + (H + G + h) * D, D * sizeof(float));
+    }
+  }
+}
+
+struct Part {
+  at::Tensor out;  // [1, G, g·n, D]
+  at::Tensor lse;  // [1, G, g·n] fp32
+};
+
+Part flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+           double scaling) {
+  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, mask, scaling);
+  return {out, lse};
+}
+
+}  // namespace
+
+namespace specmesh_cpu {
+
+// Every layer of the step; returns x after the last (before the final norm). See the file's head, and
+// lean_llama.NativeDecoder for the arguments' shapes.
+at::Tensor decode_layers(
+    at::Tensor x,                        // float32 [b, n, hidden]
+    const at::Tensor& cos,               // float32 [b·n, D]
+    const at::Tensor& sin,               // float32 [b·n, D]
+    at::TensorList norms,                // per layer: the input norm's and the post-attention norm's [hidden]
+    at::TensorList products,             // per layer: qkv, o, gate_up, down (fused) or q, k, v, o, gate, up, down
+    at::IntArrayRef kinds,               // each product's kind (kFloat32, kOneDNN or a GGUF type)
+    const at::Tensor& keys,              // float32 [layers, G, slots, D]
+    const at::Tensor& values,            // float32 [layers, G, slots, D]
+    const at::Tensor& write,             // int64 [b·n]: each token's slot
+    const at::Tensor& read_blocks,       // int64 [m]: the blocks the rows' short runs copy, in order
+    int64_t block_size,
+    const at::Tensor& runs,              // int64 [R, 5]: row, slot, start, stop, masked
+    const at::Tensor& gathered,          // int64 [b, 3]: slot, count (0: none), masked
+    at::TensorList gathered_positions,   // int64 [count] per row (empty where none)
+    const at::Tensor& mask,              // float32 [b, 1, g·n, kv_len]: the folded mask
+    int64_t heads, int64_t kv_heads, double eps, double scaling) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.is_contiguous(), "decode_layers: x float32 [b, n, hidden]");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == at::kFloat, "decode_layers: float32 pools");
+  const int64_t L = keys.size(0), b = x.size(0), n = x.size(1), hidden = x.size(2), T = b * n;
+  const int64_t G = kv_heads, H = heads, D = keys.size(3), g = H / G, slots = keys.size(2);
+  const int64_t per = static_cast<int64_t>(products.size()) / L;
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L && (per == 4 || per == 7) &&
+              static_cast<int64_t>(products.size()) == per * L && kinds.size() == products.size(),
+              "decode_layers: every layer's norms, and its 4 (fused) or 7 products with their kinds");
+  TORCH_CHECK(write.numel() == T && runs.dim() == 2 && runs.size(1) == 5 && gathered.size(0) == b &&
+              static_cast<int64_t>(gathered_positions.size()) == b, "decode_layers: the rows' reads");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot = write.contiguous();
+  const auto run = runs.accessor<int64_t, 2>();
+  const auto gath = gathered.accessor<int64_t, 2>();
+  const int64_t copied = read_blocks.numel();
+  at::Tensor gk, gv;  // the short runs' copies, [G, m·bs, D], reused across layers
+  if (copied) {
+    gk = at::empty({G, copied, block_size * D}, keys.options());
+    gv = at::empty({G, copied, block_size * D}, keys.options());
+  }
+  const std::vector<int64_t> shape{hidden};
+  for (int64_t l = 0; l < L; ++l) {
+    const at::TensorList p = products.slice(per * l, per);
+    const at::IntArrayRef k = kinds.slice(per * l, per);
+    at::Tensor h = at::rms_norm(x, shape, norms[2 * l], eps);
+    at::Tensor fused = per == 4 ? product(h, p[0], k[0])
+                                : at::cat({product(h, p[0], k[0]), product(h, p[1], k[1]), product(h, p[2], k[2])},
+                                          -1);  // [b, n, (H + 2G)·D]
+    rope_inplace(fused.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), T, H + G, H + 2 * G, D);
+    at::Tensor pk = keys[l], pv = values[l];  // [G, slots, D]
+    write_slots(fused.data_ptr<float>(), slot.data_ptr<int64_t>(), T, H, G, D, pk.data_ptr<float>(),
+                pv.data_ptr<float>(), slots);
+    if (copied) {
+      at::index_select_out(gk, pk.view({G, -1, block_size * D}), 1, read_blocks);
+      at::index_select_out(gv, pv.view({G, -1, block_size * D}), 1, read_blocks);
+    }
+    at::Tensor q = fused.view({b, n, H + 2 * G, D}).slice(2, 0, H).transpose(1, 2).reshape({b, G, g * n, D});
+    at::Tensor out = at::empty({b, G, g * n, D}, x.options());
+    std::vector<Part> parts;
+    int64_t r = 0;
+    for (int64_t i = 0; i < b; ++i) {
+      parts.clear();
+      const at::Tensor qi = q.slice(0, i, i + 1);
+      for (; r < runs.size(0) && run[r][0] == i; ++r) {
+        const int64_t at_slot = run[r][1], start = run[r][2], stop = run[r][3];
+        const at::Tensor kr = pk.slice(1, at_slot, at_slot + stop - start).unsqueeze(0);
+        const at::Tensor vr = pv.slice(1, at_slot, at_slot + stop - start).unsqueeze(0);
+        std::optional<at::Tensor> m;
+        if (run[r][4]) m = mask.slice(0, i, i + 1).slice(3, start, stop);
+        parts.push_back(flash(qi, kr, vr, m, scaling));
+      }
+      if (const int64_t count = gath[i][1]) {
+        const int64_t from = gath[i][0];
+        const at::Tensor kr = gk.view({G, -1, D}).slice(1, from, from + count).unsqueeze(0);
+        const at::Tensor vr = gv.view({G, -1, D}).slice(1, from, from + count).unsqueeze(0);
+        std::optional<at::Tensor> m;
+        if (gath[i][2]) m = mask.slice(0, i, i + 1).index_select(3, gathered_positions[i]);
+        parts.push_back(flash(qi, kr, vr, m, scaling));
+      }
+      TORCH_CHECK(!parts.empty(), "decode_layers: row ", i, " reads nothing");
+      if (parts.size() == 1) {
+        out[i].copy_(parts[0].out[0]);
+        continue;
+      }
+      // out = Σ_r exp(lse_r − LSE) · out_r: the runs' softmaxes weighted by their shares of the row's mass
+      std::vector<at::Tensor> outs, lses;
+      for (const Part& p : parts) {
+        outs.push_back(p.out[0]);
+        lses.push_back(p.lse[0]);
+      }
+      const at::Tensor weights = at::softmax(at::stack(lses), 0);  // [runs, G, g·n]
+      out[i].copy_((weights.unsqueeze(-1) * at::stack(outs).to(at::kFloat)).sum(0));
+    }
+    const at::Tensor attn = out.view({b, H, n, D}).transpose(1, 2).contiguous().view({b, n, H * D});
+    const int64_t o = per == 4 ? 1 : 3;
+    x = x + product(attn, p[o], k[o]);
+    h = at::rms_norm(x, shape, norms[2 * l + 1], eps);
+    at::Tensor gate, up;  // [b, n, I] each
+    if (per == 4) {
+      const auto halves = product(h, p[2], k[2]).chunk(2, -1);  // [g; u] = h · Wguᵀ
+      gate = halves[0], up = halves[1];
+    } else {
+      gate = product(h, p[4], k[4]), up = product(h, p[5], k[5]);
+    }
+    x = x + product(at::silu(gate.contiguous()) * up, p[per - 1], k[per - 1]);
+  }
+  return x;
+}
+
+}  // namespace specmesh_cpu
+
+TORCH_LIBRARY_FRAGMENT(specmesh_cpu, m) {
+  m.def(
+      "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] products, int[] kinds, "
+      "Tensor keys, Tensor values, Tensor write, "
+      "Tensor read_blocks, int block_size, Tensor runs, Tensor gathered, Tensor[] gathered_positions, Tensor mask, "
+      "int heads, int kv_heads, float eps, float scaling) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specmesh_cpu, CPU, m) { m.impl("decode_layers", &specmesh_cpu::decode_layers); }
+// oneDNN's packed weights are MkldnnCPU tensors: a step that brings them dispatches there
+TORCH_LIBRARY_IMPL(specmesh_cpu, MkldnnCPU, m) { m.impl("decode_layers", &specmesh_cpu::decode_layers); }
