@@ -3,7 +3,8 @@
 // Python call per operator (a batch-1 step of SmolLM2-135M made ~30 of them a layer, 30 layers). Built with
 // cpu_linear.cpp into one library by cpu_linear.py.
 //
-// Per layer l (x [b, n, hidden]; T = b·n tokens; H heads, G key/value heads of D, g = H / G):
+// Per layer l (x [b, n, hidden], or a packed step's [1, N, hidden]; T = b·n tokens; H heads, G key/value
+// heads of D, g = H / G):
 //   h = rms_norm(x)                                    aten::rms_norm
 //   [q; k; v] = h · Wqkvᵀ                              the fused weight, cpu_linear (float32 or GGUF blocks);
 //                                                      or three products, oneDNN's (a step of more rows)
@@ -120,18 +121,29 @@ at::Tensor decode_layers(
     const at::Tensor& runs,              // int64 [R, 5]: row, slot, start, stop, masked
     const at::Tensor& gathered,          // int64 [b, 3]: slot, count (0: none), masked
     at::TensorList gathered_positions,   // int64 [count] per row (empty where none)
-    const at::Tensor& mask,              // float32 [b, 1, g·n, kv_len]: the folded mask
+    const at::Tensor& mask,              // float32 [B, 1, g·w, kv_len]: the folded mask
+    const std::optional<at::Tensor>& pack_rows,  // a packed step (x [1, N, hidden]): token t's row, int64 [N]
+    const std::optional<at::Tensor>& pack_cols,  // and its column in the padded layout [B, w]
+    int64_t pack_width,                  // w: the padded layout's width (a packed step's)
     int64_t heads, int64_t kv_heads, double eps, double scaling) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.is_contiguous(), "decode_layers: x float32 [b, n, hidden]");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == at::kFloat, "decode_layers: float32 pools");
   const int64_t L = keys.size(0), b = x.size(0), n = x.size(1), hidden = x.size(2), T = b * n;
   const int64_t G = kv_heads, H = heads, D = keys.size(3), g = H / G, slots = keys.size(2);
+  // Attention reads B rows of w tokens: the step's own layout, or a packed step's padded one (its queries
+  // scattered there and its outputs gathered back, as attention.Packing does).
+  const bool packed = pack_rows.has_value() && pack_rows->defined();
+  const int64_t B = gathered.size(0), w = packed ? pack_width : n;
+  TORCH_CHECK(packed ? (b == 1 && pack_cols.has_value() && pack_rows->numel() == T) : B == b,
+              "decode_layers: a packed step brings one row [1, N] and each token's row and column");
+  at::Tensor slot_of;  // a packed token's place in the padded layout, row · w + column: int64 [N]
+  if (packed) slot_of = *pack_rows * w + *pack_cols;
   const int64_t per = static_cast<int64_t>(products.size()) / L;
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L && (per == 4 || per == 7) &&
               static_cast<int64_t>(products.size()) == per * L && kinds.size() == products.size(),
               "decode_layers: every layer's norms, and its 4 (fused) or 7 products with their kinds");
-  TORCH_CHECK(write.numel() == T && runs.dim() == 2 && runs.size(1) == 5 && gathered.size(0) == b &&
-              static_cast<int64_t>(gathered_positions.size()) == b, "decode_layers: the rows' reads");
+  TORCH_CHECK(write.numel() == T && runs.dim() == 2 && runs.size(1) == 5 && gathered.dim() == 2 &&
+              static_cast<int64_t>(gathered_positions.size()) == gathered.size(0), "decode_layers: the rows' reads");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot = write.contiguous();
   const auto run = runs.accessor<int64_t, 2>();
   const auto gath = gathered.accessor<int64_t, 2>();
@@ -157,11 +169,18 @@ at::Tensor decode_layers(
       at::index_select_out(gk, pk.view({G, -1, block_size * D}), 1, read_blocks);
       at::index_select_out(gv, pv.view({G, -1, block_size * D}), 1, read_blocks);
     }
-    at::Tensor q = fused.view({b, n, H + 2 * G, D}).slice(2, 0, H).transpose(1, 2).reshape({b, G, g * n, D});
-    at::Tensor out = at::empty({b, G, g * n, D}, x.options());
+    at::Tensor q;  // [B, G, g·w, D]: the heads sharing a key/value head side by side (attention.fold_queries)
+    if (packed) {
+      at::Tensor pad = at::zeros({B * w, H, D}, x.options());  // padding's queries zero, their outputs dropped
+      pad.index_copy_(0, slot_of, fused.view({T, H + 2 * G, D}).slice(1, 0, H));
+      q = pad.view({B, w, H, D}).transpose(1, 2).reshape({B, G, g * w, D});
+    } else {
+      q = fused.view({b, n, H + 2 * G, D}).slice(2, 0, H).transpose(1, 2).reshape({b, G, g * n, D});
+    }
+    at::Tensor out = at::empty({B, G, g * w, D}, x.options());
     std::vector<Part> parts;
     int64_t r = 0;
-    for (int64_t i = 0; i < b; ++i) {
+    for (int64_t i = 0; i < B; ++i) {
       parts.clear();
       const at::Tensor qi = q.slice(0, i, i + 1);
       for (; r < runs.size(0) && run[r][0] == i; ++r) {
@@ -194,7 +213,8 @@ at::Tensor decode_layers(
       const at::Tensor weights = at::softmax(at::stack(lses), 0);  // [runs, G, g·n]
       out[i].copy_((weights.unsqueeze(-1) * at::stack(outs).to(at::kFloat)).sum(0));
     }
-    const at::Tensor attn = out.view({b, H, n, D}).transpose(1, 2).contiguous().view({b, n, H * D});
+    at::Tensor attn = out.view({B, H, w, D}).transpose(1, 2).contiguous();  // [B, w, H, D]
+    attn = (packed ? attn.view({B * w, H, D}).index_select(0, slot_of) : attn).view({b, n, H * D});
     const int64_t o = per == 4 ? 1 : 3;
     x = x + product(attn, p[o], k[o]);
     h = at::rms_norm(x, shape, norms[2 * l + 1], eps);
@@ -217,7 +237,7 @@ TORCH_LIBRARY_FRAGMENT(specmesh_cpu, m) {
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] products, int[] kinds, "
       "Tensor keys, Tensor values, Tensor write, "
       "Tensor read_blocks, int block_size, Tensor runs, Tensor gathered, Tensor[] gathered_positions, Tensor mask, "
-      "int heads, int kv_heads, float eps, float scaling) -> Tensor");
+      "Tensor? pack_rows, Tensor? pack_cols, int pack_width, int heads, int kv_heads, float eps, float scaling) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specmesh_cpu, CPU, m) { m.impl("decode_layers", &specmesh_cpu::decode_layers); }
 // oneDNN's packed weights are MkldnnCPU tensors: a step that brings them dispatches there

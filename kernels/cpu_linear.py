@@ -149,6 +149,7 @@ def decode_layers(
     kv_heads: int,
     eps: float,
     scaling: float,
+    packing: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Every decoder layer of a CPU step over the paged cache read in place (after :func:`load`); returns
     x after the last layer (before the final norm). See ``cpu_decoder.cpp``.
@@ -157,12 +158,15 @@ def decode_layers(
     weights; products: per layer qkv, o, gate_up, down (fused: q/k/v and gate/up concatenated) or q, k, v,
     o, gate, up, down; kinds: each product's (``FLOAT32``: this module's kernel, ``ONEDNN``: a weight packed
     by ``torch.ops.mkldnn._reorder_linear_weight``, otherwise a GGUF type for :func:`linear_gguf`); pools:
-    keys, values float32 [layers, kv_heads, slots, D]; mask: the folded mask float32 [b, 1, g·n, kv_len].
+    keys, values float32 [layers, kv_heads, slots, D]; mask: the folded mask float32 [B, 1, g·w, kv_len].
+    ``packing``: a packed step's (x [1, N, hidden]) each token's row and column int64 [N] in the padded
+    layout [B, w] attention reads, and w; None: attention reads x's own rows.
     """
     r = reads
+    rows, cols, width = packing if packing is not None else (None, None, 0)
     return torch.ops.specmesh_cpu.decode_layers(
         x, cos, sin, norms, products, kinds, *pools, r.write, r.read_blocks, r.block_size, r.runs, r.gathered,
-        list(r.positions), mask, heads, kv_heads, eps, scaling,
+        list(r.positions), mask, rows, cols, width, heads, kv_heads, eps, scaling,
     )  # fmt: skip
 
 

@@ -19,10 +19,11 @@ Every output is the same sum in the same order as transformers' forward over the
 fused product's rows are its parts' rows; the elementwise steps are the same per element), so the
 logits equal theirs: lossless by construction, tested against the stock forward.
 
-Where every product of a step runs on this package's kernels (float32 steps of at most ``GEMV_ROWS``
-rows, GGUF blocks at any) and the paged cache is read in place, the whole loop runs in one native call
-instead (:class:`NativeLoop`, ``specmesh_kernels.cpu_linear.decode_layers``): the same operators in the
-same order, so the same bits, without a Python call per operator.
+Where the paged cache is read in place (a CPU step, packed or not) the whole loop runs in one native
+call instead (:class:`NativeLoop`, ``specmesh_kernels.cpu_linear.decode_layers``): the same operators in
+the same order, so the same bits, without a Python call per operator. Its products: the fused ones on
+the matrix-vector kernel for float32 steps of at most ``GEMV_ROWS`` rows, oneDNN's seven packed ones
+for larger, the GGUF blocks' at any.
 
 Only plain Llama layers take it (``supports``): SiLU MLP, no biases, the default or a scaled rotary
 embedding transformers computes (its own module is called), no sliding window. Others keep
@@ -238,12 +239,14 @@ class LeanLlama:
         cos, sin = cos[:, :, None], sin[:, :, None]  # [b, n, 1, D]: every head
         rows = b * n
         heads, kv, dim, shape = self.heads, self.kv_heads, self.head_dim, (self.hidden,)
-        products = self.native.products(rows) if self.native is not None and not kwargs else None
+        packing: attention.Packing | None = kwargs.get(attention.PACK_KWARG)
+        plain = not kwargs.keys() - {attention.PACK_KWARG}  # no tree kernel's metadata
+        products = self.native.products(rows) if self.native is not None and plain else None
         if products is not None and isinstance(cache, PagedKVCache) and (reads := cache.in_place_reads()) is not None:
             x = cpu_linear.decode_layers(
                 x, cos.reshape(rows, dim), sin.reshape(rows, dim), self.native.norms, products.weights,
                 products.kinds, cache.pools, reads, attention.folded_mask(attention_mask, heads // kv), heads, kv,
-                self.eps, self.scaling,
+                self.eps, self.scaling, None if packing is None else (packing.rows, packing.cols, packing.width),
             )  # fmt: skip
             return DecoderOutput(torch.rms_norm(x, shape, d.norm.weight, self.eps))
         for i, layer in enumerate(self.layers):

@@ -65,7 +65,9 @@ def test_the_native_loop_runs_every_step_over_the_paged_cache(tiny_llama, native
 @pytest.mark.parametrize("weights", ["gemv", "gguf"])
 def test_the_native_loop_equals_the_python_loop_over_long_runs_in_place(weights, native_calls):
     """Contexts of ~600 positions: rows of two long runs read in place (their softmaxes merged by log-sum-exp)
-    and short runs copied, at decode (2 rows × 1) and tree steps (1 row × 4, masked), bit for bit."""
+    and short runs copied, at decode (2 rows × 1), tree (1 row × 4, masked) and packed steps (a 4-token
+    tree beside 1 token), bit for bit."""
+    from specmesh_server.attention import Packing
     from specmesh_server.kv_blocks import BlockTable
     from specmesh_server.model_runner import causal_mask
 
@@ -79,10 +81,10 @@ def test_the_native_loop_equals_the_python_loop_over_long_runs_in_place(weights,
     ]  # fmt: skip
     runners[0].decoder.native = None  # the reference: the same loop in Python
     # row 0: blocks 0-19 and 40-59 (two runs of 320 positions in place); row 1: blocks 20-39 in place, then
-    # 61, 63, 65 and 67 (short runs, copied)
+    # 61, 63 … 99 (short runs, copied)
     tables = [
         BlockTable(b"", blocks=[*range(20), *range(40, 60)]),
-        BlockTable(b"", blocks=[*range(20, 40), 61, 63, 65, 67]),
+        BlockTable(b"", blocks=[*range(20, 40), *range(61, 100, 2)]),
     ]
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 64, (2, 660), generator=gen)
@@ -100,10 +102,17 @@ def test_the_native_loop_equals_the_python_loop_over_long_runs_in_place(weights,
         write = torch.arange(604, 608)[None]
         one = runner.cache.rows(tables[:1], 640)
         logits.append(runner.logits(runner.forward(one, ids[:1, 604:608], tree, mask, write)))
+        # packed: row 0's 4-token tree beside row 1's one token (5 tokens, not the padded 8)
+        pos = torch.tensor([[608, 609, 609, 610], [604, 604, 604, 604]])
+        mask = causal_mask(pos, 612)
+        mask[0, 2, 609] = False
+        write = torch.tensor([[608, 609, 610, 611], [604, 605, 606, 607]])
+        packing = Packing(torch.tensor([0, 0, 0, 0, 1]), torch.tensor([0, 1, 2, 3, 0]), batch=2, width=4)
+        logits.append(runner.logits(runner.forward(rows, ids[:, 608:612], pos, mask, write, packing=packing)))
         out.append(logits)
     for want, got in zip(*out, strict=True):
         assert torch.equal(got, want)
-    assert native_calls == [(2, 600)] + [(2, 1)] * 4 + [(1, 4)]
+    assert native_calls == [(2, 600)] + [(2, 1)] * 4 + [(1, 4), (1, 5)]
 
 
 def _to_gguf(model) -> None:
