@@ -105,7 +105,7 @@ Part flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
 namespace specmesh_cpu {
 
 // Every layer of the step; returns x after the last (before the final norm). See the file's head, and
-// lean_llama.NativeDecoder for the arguments' shapes.
+// cpu_linear.decode_layers for the arguments.
 at::Tensor decode_layers(
     at::Tensor x,                        // float32 [b, n, hidden]
     const at::Tensor& cos,               // float32 [b·n, D]
@@ -119,8 +119,8 @@ at::Tensor decode_layers(
     const at::Tensor& read_blocks,       // int64 [m]: the blocks the rows' short runs copy, in order
     int64_t block_size,
     const at::Tensor& runs,              // int64 [R, 5]: row, slot, start, stop, masked
-    const at::Tensor& gathered,          // int64 [b, 3]: slot, count (0: none), masked
-    at::TensorList gathered_positions,   // int64 [count] per row (empty where none)
+    const at::Tensor& gathered,          // int64 [B, 2]: per row its copied run's first slot in the copies, masked
+    at::TensorList gathered_positions,   // int64 [count] per row: the copied run's positions (empty: none)
     const at::Tensor& mask,              // float32 [B, 1, g·w, kv_len]: the folded mask
     const std::optional<at::Tensor>& pack_rows,  // a packed step (x [1, N, hidden]): token t's row, int64 [N]
     const std::optional<at::Tensor>& pack_cols,  // and its column in the padded layout [B, w]
@@ -142,7 +142,7 @@ at::Tensor decode_layers(
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L && (per == 4 || per == 7) &&
               static_cast<int64_t>(products.size()) == per * L && kinds.size() == products.size(),
               "decode_layers: every layer's norms, and its 4 (fused) or 7 products with their kinds");
-  TORCH_CHECK(write.numel() == T && runs.dim() == 2 && runs.size(1) == 5 && gathered.dim() == 2 &&
+  TORCH_CHECK(write.numel() == T && runs.dim() == 2 && runs.size(1) == 5 && gathered.dim() == 2 && gathered.size(1) == 2 &&
               static_cast<int64_t>(gathered_positions.size()) == gathered.size(0), "decode_layers: the rows' reads");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slot = write.contiguous();
   const auto run = runs.accessor<int64_t, 2>();
@@ -191,12 +191,12 @@ at::Tensor decode_layers(
         if (run[r][4]) m = mask.slice(0, i, i + 1).slice(3, start, stop);
         parts.push_back(flash(qi, kr, vr, m, scaling));
       }
-      if (const int64_t count = gath[i][1]) {
+      if (const int64_t count = gathered_positions[i].numel()) {
         const int64_t from = gath[i][0];
         const at::Tensor kr = gk.view({G, -1, D}).slice(1, from, from + count).unsqueeze(0);
         const at::Tensor vr = gv.view({G, -1, D}).slice(1, from, from + count).unsqueeze(0);
         std::optional<at::Tensor> m;
-        if (gath[i][2]) m = mask.slice(0, i, i + 1).index_select(3, gathered_positions[i]);
+        if (gath[i][1]) m = mask.slice(0, i, i + 1).index_select(3, gathered_positions[i]);
         parts.push_back(flash(qi, kr, vr, m, scaling));
       }
       TORCH_CHECK(!parts.empty(), "decode_layers: row ", i, " reads nothing");

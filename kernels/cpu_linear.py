@@ -99,9 +99,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 class InPlaceReads:
     """A forward's cache writes and each row's reads where they lie (``specmesh_server.paged_kv``), as
     :func:`decode_layers` takes them. Row r reads its runs (rows of ``runs`` whose first column is r, in
-    order), then its copied run, if ``gathered[r, 1]`` > 0.
+    order), then its copied run, if ``positions[r]`` holds any.
 
-    >>> InPlaceReads.of([7], [], 16, [(0, 32, 0, 300, 1)], [(0, 0, 0)], b=1).runs.tolist()
+    >>> none = torch.empty(0, dtype=torch.long)
+    >>> InPlaceReads.of([7], [], 16, [(0, 32, 0, 300, 1)], [(0, 0)], [none]).runs.tolist()
     [[0, 32, 0, 300, 1]]
     """
 
@@ -109,20 +110,19 @@ class InPlaceReads:
     read_blocks: torch.Tensor  # int64 [m]: the blocks the rows' short runs copy, in order
     block_size: int
     runs: torch.Tensor  # int64 [R, 5]: row, slot, start, stop, masked
-    gathered: torch.Tensor  # int64 [b, 3]: slot in the copies, count (0: none), masked
-    positions: tuple[torch.Tensor, ...]  # int64 [count] per row: the copied run's positions
+    gathered: torch.Tensor  # int64 [b, 2]: per row its copied run's first slot in the copies, masked
+    positions: tuple[torch.Tensor, ...]  # int64 [count] per row: the copied run's positions (empty: none)
 
     @staticmethod
-    def of(write, read_blocks, block_size, runs, gathered, b, positions=None) -> InPlaceReads:
-        """From plain lists (``positions`` default: none copied)."""
-        empty = torch.empty(0, dtype=torch.long)
+    def of(write, read_blocks, block_size, runs, gathered, positions) -> InPlaceReads:
+        """From plain lists, one (slot, masked) and one positions tensor per row."""
         return InPlaceReads(
             torch.as_tensor(write, dtype=torch.long),
             torch.as_tensor(read_blocks, dtype=torch.long),
             block_size,
             torch.as_tensor(runs, dtype=torch.long).view(-1, 5),
-            torch.as_tensor(gathered, dtype=torch.long).view(b, 3),
-            tuple(positions) if positions is not None else (empty,) * b,
+            torch.as_tensor(gathered, dtype=torch.long).view(len(positions), 2),
+            tuple(positions),
         )
 
 

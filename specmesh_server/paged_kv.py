@@ -419,9 +419,9 @@ class PagedKVCache:
         for i, row in enumerate(self._reads):
             runs += [(i, r.slot, r.start, r.stop, int(r.stop > row.shared)) for r in row.runs]
             g = row.gathered
-            gathered.append((0, 0, 0) if g is None else (g.slot, g.positions.numel(), int(g.last >= row.shared)))
+            gathered.append((0, 0) if g is None else (g.slot, int(g.last >= row.shared)))
             positions.append(empty if g is None else g.positions)
-        return InPlaceReads.of(self._write, self._read, self.block_size, runs, gathered, len(self._reads), positions)
+        return InPlaceReads.of(self._write, self._read, self.block_size, runs, gathered, positions)
 
     def copy_positions(self, table: BlockTable, src: torch.Tensor, dst_start: int) -> None:
         """Move positions ``src`` (int64 [m], ascending) of ``table``'s request to ``dst_start..+m-1``:
