@@ -13,13 +13,15 @@ closed loop: a stream that finishes takes the next prompt at once (a serving ben
 ``--max-concurrency``), so the aggregate is throughput under a sustained load rather than the
 makespan of c requests, which the slowest of them sets.
 
-Modes that learn from past outputs (``LEARNING_MODES``: the suffix proposer, and ``auto``, which
-may pick it) must not learn from the run itself: each measured run of such a mode (mode,
-sampling, concurrency, and transport when there are two) has its own ``cache_scope``
-(``cache_scope``), random per bench invocation, and the warm-up prompts (if any) go through
-that scope, untimed, before the first measured request of its (sampling, concurrency) block. A
-prompt sent again in the same run (to fill the last wave) goes to a scope of its own
-(``<scope>-repeat<n>``), cold, rather than be proposed its own earlier output.
+Every measured run of a service mode (mode, sampling, concurrency, and transport when there are
+two) has its own ``cache_scope`` (``cache_scope``), random per bench invocation, and a prompt
+sent again in the same run (to fill the last wave) goes to a scope of its own
+(``<scope>-repeat<n>``): every request prefills its prompt cold, in every mode, so that no mode
+reads the KV another mode's (or its own earlier) request cached, and modes differ only in how
+they decode. Modes that learn from past outputs (``LEARNING_MODES``: the suffix proposer, and
+``auto``, which may pick it) therefore cannot learn from the run itself either; their warm-up
+prompts (if any) go through their scope, untimed, before the first measured request of its
+(sampling, concurrency) block.
 """
 
 from __future__ import annotations
@@ -58,16 +60,14 @@ LEARNING_MODES = ("suffix", "auto")
 
 
 def cache_scope(token: str, mode: str, sampling: str, concurrency: int, target: str = "") -> str:
-    """The cache scope of one measured run of a learning mode ("" for the others): ``token`` is
-    random per bench invocation, ``target`` the transport when a run has two.
+    """The cache scope of one measured run of a mode: ``token`` is random per bench invocation,
+    ``target`` the transport when a run has two.
 
     >>> cache_scope("5f3a", "suffix", "greedy", 8), cache_scope("5f3a", "auto", "sampled", 1, "http")
     ('bench-5f3a-suffix-greedy-c8', 'bench-5f3a-auto-sampled-c1-http')
-    >>> cache_scope("5f3a", "ngram", "greedy", 8)
-    ''
+    >>> cache_scope("5f3a", "plain", "greedy", 8)
+    'bench-5f3a-plain-greedy-c8'
     """
-    if mode not in LEARNING_MODES:
-        return ""
     return f"bench-{token}-{mode}-{sampling}-c{concurrency}" + (f"-{target}" if target else "")
 
 
@@ -487,7 +487,7 @@ class BenchRunner:
             for sampling in self.config.samplings
             for c in self.config.concurrency
             for m in self._modes(sampling, c)
-            if m in SERVICE_MODES
+            if m in LEARNING_MODES
             for t in self.targets
             if (s := self.scope(m, sampling, c, t))
         ]
@@ -528,9 +528,9 @@ class BenchRunner:
         if not self.warmup:
             return
         for mode in modes:
-            for target in self.targets if mode in SERVICE_MODES else ():
+            for target in self.targets if mode in LEARNING_MODES else ():
                 scope = self.scope(mode, sampling, c, target)
-                if not scope or scope in self.warmed:
+                if scope in self.warmed:
                     continue
                 self.log(f"bench: warm-up, {len(self.warmup)} prompts through {mode} in scope {scope} (untimed) …")
                 self._parallel(target, self.warmup, mode, scope)

@@ -42,7 +42,7 @@ def test_a_warm_suffix_run_over_both_turns_is_lossless_and_says_how_it_was_warme
     token = records[0]["cache_scope_token"]
     scope = f"bench-{token}-suffix-greedy-c1"
     assert {r["cache_scope"] for r in records if r["mode"] == "suffix"} == {scope}
-    assert {r["cache_scope"] for r in records if r["mode"] != "suffix"} == {""}
+    assert {r["cache_scope"] for r in records if r["mode"] == "ngram"} == {f"bench-{token}-ngram-greedy-c1"}
     assert records[0]["warmup_scopes"] == [scope] and records[0]["warmup_prompts"] == 1
     assert "warm-up, 1 prompts through suffix in scope " + scope in proc.stderr
     first = next(r for r in records if r["mode"] == "plain" and r["turn"] == 2)
