@@ -188,8 +188,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="local deployment only: shard the verifier's target over N ranks (the verifier starts the N-1 others "
         "itself; gloo on CPUs). The ranks share the cores: each gets max(1, --threads // N) torch threads (the "
-        "hf-* modes keep --threads). With N > 1, summary.md and tensor_parallel.json give each run's decode steps, "
-        "mean step time and mean all-reduce time per decode step, read from the verifier's /metrics",
+        "hf-* modes keep --threads). summary.md and decode_steps.json give each run's decode steps and mean step "
+        "time (with N > 1 also the mean all-reduce time per decode step), read from the verifier's /metrics",
     )
     p.add_argument(
         "--tls",
@@ -414,8 +414,8 @@ def main(argv: list[str] | None = None) -> None:
         from tqdm import tqdm  # with transformers ([serve]) and openai ([bench]); on stderr
 
         set_oracle = oracle.servicer.set_continuation if oracle else None
-        metrics_url = verifier_metrics_url(dep.config) if dep is not None and a.tensor_parallel_size > 1 else ""
-        meter = VerifierMeter(metrics_url) if metrics_url else None  # all-reduce time per decode step
+        metrics_url = verifier_metrics_url(dep.config) if dep is not None else ""
+        meter = VerifierMeter(metrics_url) if metrics_url else None  # decode steps, their time, all-reduces
         router_stats: list[str] = []  # the router's statistics as each block left them
         runner = BenchRunner(
             config,
@@ -477,19 +477,17 @@ def main(argv: list[str] | None = None) -> None:
     transports = gateway_vs_grpc(records)
     ratios = {(x, y): mode_ratios(main_records, x, y) for x, y in COMPARED}
     intervals = {(x, y): mode_intervals(main_records, x, y) for x, y in COMPARED}
-    tensor_parallel = meter.rows() if meter is not None else []
-    text = markdown(
-        rows, meta, pipeline_overhead(main_records), failures, transports, ratios, intervals, tensor_parallel
-    )
+    decode = meter.rows() if meter is not None else []
+    text = markdown(rows, meta, pipeline_overhead(main_records), failures, transports, ratios, intervals, decode)
     (out_dir / "summary.md").write_text(text)
     (out_dir / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     written = ["records.jsonl", "summary.md", "summary.json"]
     if any(router_stats):
         (out_dir / "router_stats.txt").write_text("".join(router_stats))
         written.append("router_stats.txt")
-    if tensor_parallel:
-        (out_dir / "tensor_parallel.json").write_text(json.dumps([asdict(r) for r in tensor_parallel], indent=1))
-        written.append("tensor_parallel.json")
+    if decode:
+        (out_dir / "decode_steps.json").write_text(json.dumps([asdict(r) for r in decode], indent=1))
+        written.append("decode_steps.json")
     if transports:
         (out_dir / "gateway_vs_grpc.json").write_text(json.dumps([asdict(r) for r in transports], indent=1))
         written.append("gateway_vs_grpc.json")
@@ -541,7 +539,7 @@ def local_deployment(
     auto = ",".join(["ngram", *(name for name, started in tiers.items() if started)])
     extra += ["--auto-proposers", auto, *a.verifier_arg]
     tp = a.tensor_parallel_size
-    if tp > 1 and not int(_flag_value(a.verifier_arg, "--metrics-port") or 0):
+    if not int(_flag_value(a.verifier_arg, "--metrics-port") or 0):  # decode steps per run (``VerifierMeter``)
         extra += ["--metrics-port", str(free_port())]
     return DeploymentConfig(
         model=model,

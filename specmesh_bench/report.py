@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specmesh_bench.verifier_metrics import TensorParallelRow
+    from specmesh_bench.verifier_metrics import DecodeRow
 
 OVERALL = "overall"
 
@@ -492,11 +492,11 @@ def markdown(
     transports: list[TransportRow] | None = None,
     ratios: dict[tuple[str, str], dict[tuple[str, int], dict[str, float]]] | None = None,
     intervals: dict[tuple[str, str], dict[tuple[str, int], Interval]] | None = None,
-    tensor_parallel: list[TensorParallelRow] | None = None,
+    decode: list[DecodeRow] | None = None,
 ) -> str:
     """``ratios``: (a, b) → ``mode_ratios(records, a, b)``, one line per run after its tables, with
-    ``intervals``' (a, b) → ``mode_intervals(records, a, b)`` where given; ``tensor_parallel``: the
-    runs' all-reduce rows (``VerifierMeter.rows``), a section of their own where given."""
+    ``intervals``' (a, b) → ``mode_intervals(records, a, b)`` where given; ``decode``: the
+    runs' decode-step rows (``VerifierMeter.rows``), a section of their own where given."""
     if meta.get("target", "").startswith(("http://", "https://")):  # the bench runs here, the server elsewhere
         served = f"server: {meta.get('model')} at {meta['target']} (owned_by {meta.get('http_server') or '?'})"
         served += f", verifier {meta['dtype']} on {meta['device']}" if meta.get("device") else ""
@@ -574,8 +574,8 @@ def markdown(
         lines.append("")
     if transports:
         lines += transport_markdown(transports)
-    if tensor_parallel:
-        lines += tensor_parallel_markdown(tensor_parallel, meta.get("tensor_parallel_size"))
+    if decode:
+        lines += decode_markdown(decode, meta.get("tensor_parallel_size"))
     return "\n".join(lines)
 
 
@@ -597,30 +597,49 @@ def _verifier_layout(meta: dict) -> str:
     return f"TP={tp}, {threads}" + (" per rank" if tp > 1 else "")
 
 
-def tensor_parallel_markdown(rows: list[TensorParallelRow], size: int | None) -> list[str]:
-    """The "Tensor parallel" section: per run, the all-reduce time in a decode step.
+def decode_markdown(rows: list[DecodeRow], size: int | None) -> list[str]:
+    """The "Decode steps" section: per run, its decode forwards, their mean time and that time over plain's
+    at the same concurrency (what a speculative step costs against a plain one: set it beside the run's
+    tokens a step); with tensor parallelism also the all-reduce time in a step.
 
-    >>> from specmesh_bench.verifier_metrics import DecodeTotals, tensor_parallel_row
-    >>> tensor_parallel_markdown([tensor_parallel_row("greedy", 1, "plain", DecodeTotals(4, 0.2, 0.05, 4))], 2)[-2]
-    '| greedy | 1 | plain | 4 | 50.0 | 12.50 | 25% |'
+    >>> from specmesh_bench.verifier_metrics import DecodeTotals, decode_row
+    >>> rows = [decode_row("greedy", 1, "plain", DecodeTotals(4, 0.2, 0.05, 4)),
+    ...         decode_row("greedy", 1, "ngram", DecodeTotals(2, 0.15, 0.04, 2))]
+    >>> for line in decode_markdown(rows, 2)[-3:-1]:
+    ...     print(line)
+    | greedy | 1 | plain | 4 | 50.0 | 1.00x | 12.50 | 25% |
+    | greedy | 1 | ngram | 2 | 75.0 | 1.50x | 20.00 | 27% |
+    >>> decode_markdown(rows, 1)[-2]
+    '| greedy | 1 | ngram | 2 | 75.0 | 1.50x |'
     """
+    tp = (size or 1) > 1
+    plain = {(r.sampling, r.concurrency): r.decode_step_s for r in rows if r.mode == "plain"}
     lines = [
-        f"## Tensor parallel (TP={size or '?'}): all-reduce per decode step",
+        f"## Decode steps{f' (TP={size}): forward and all-reduce' if tp else ''}",
         "",
         "Read from the verifier's /metrics before and after each mode's requests in every wave, summed per run: "
-        "decode forwards, their mean time (specmesh_step_seconds), and the mean time rank 0 spent in all-reduces "
-        "within one (specmesh_tensor_parallel_all_reduce_seconds), with its share of the forward.",
+        "decode forwards, their mean time (specmesh_step_seconds) and that over plain's"
+        + (
+            ", and the mean time rank 0 spent in all-reduces within one "
+            "(specmesh_tensor_parallel_all_reduce_seconds), with its share of the forward."
+            if tp
+            else "."
+        ),
         "",
-        "| sampling | streams | mode | decode steps | step ms | all-reduce ms | all-reduce share |",
-        "|---|---|---|---|---|---|---|",
+        "| sampling | streams | mode | decode steps | step ms | vs plain |"
+        + (" all-reduce ms | all-reduce share |" if tp else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if tp else ""),
     ]
     for r in sorted(rows, key=lambda r: (r.sampling, r.concurrency, _MODE_RANK.get(r.mode, 99))):
         step = r.decode_step_s * 1e3 if r.decode_step_s is not None else None
-        reduce = r.all_reduce_s * 1e3 if r.all_reduce_s is not None else None
-        lines.append(
-            f"| {r.sampling} | {r.concurrency} | {r.mode} | {r.decode_steps} | {_fmt(step, '.1f')} "
-            f"| {_fmt(reduce, '.2f')} | {_fmt(r.all_reduce_share, '.0%')} |"
-        )
+        base = plain.get((r.sampling, r.concurrency))
+        ratio = r.decode_step_s / base if r.decode_step_s is not None and base else None
+        line = f"| {r.sampling} | {r.concurrency} | {r.mode} | {r.decode_steps} | {_fmt(step, '.1f')} "
+        line += f"| {_fmt(ratio, '.2f', 'x')} |"
+        if tp:
+            reduce = r.all_reduce_s * 1e3 if r.all_reduce_s is not None else None
+            line += f" {_fmt(reduce, '.2f')} | {_fmt(r.all_reduce_share, '.0%')} |"
+        lines.append(line)
     return [*lines, ""]
 
 

@@ -61,7 +61,7 @@ def decode_totals(text: str) -> DecodeTotals:
 
 
 @dataclass
-class TensorParallelRow:
+class DecodeRow:
     """One mode at one concurrency: its decode steps and the all-reduces in them (rank 0)."""
 
     sampling: str
@@ -73,10 +73,10 @@ class TensorParallelRow:
     all_reduce_share: float | None  # all_reduce_s / decode_step_s
 
 
-def tensor_parallel_row(sampling: str, concurrency: int, mode: str, d: DecodeTotals) -> TensorParallelRow:
+def decode_row(sampling: str, concurrency: int, mode: str, d: DecodeTotals) -> DecodeRow:
     """A run's row from its summed differences.
 
-    >>> r = tensor_parallel_row("greedy", 1, "plain", DecodeTotals(4, 0.2, 0.05, 4))
+    >>> r = decode_row("greedy", 1, "plain", DecodeTotals(4, 0.2, 0.05, 4))
     >>> r.decode_steps, r.decode_step_s, r.all_reduce_s, r.all_reduce_share
     (4, 0.05, 0.0125, 0.25)
     """
@@ -84,7 +84,7 @@ def tensor_parallel_row(sampling: str, concurrency: int, mode: str, d: DecodeTot
     step_s = d.step_seconds / steps if steps else None
     reduce_s = d.all_reduce_seconds / steps if steps else None
     share = d.all_reduce_seconds / d.step_seconds if d.step_seconds > 0 else None
-    return TensorParallelRow(sampling, concurrency, mode, steps, step_s, reduce_s, share)
+    return DecodeRow(sampling, concurrency, mode, steps, step_s, reduce_s, share)
 
 
 class VerifierMeter:
@@ -116,5 +116,5 @@ class VerifierMeter:
             key = (sampling, concurrency, mode)
             self.totals[key] = self.totals.get(key, DecodeTotals()) + (after - before)
 
-    def rows(self) -> list[TensorParallelRow]:
-        return [tensor_parallel_row(s, c, m, d) for (s, c, m), d in self.totals.items()]
+    def rows(self) -> list[DecodeRow]:
+        return [decode_row(s, c, m, d) for (s, c, m), d in self.totals.items()]

@@ -10,7 +10,7 @@ import pytest
 from specmesh_bench.cli import local_deployment, parse_args, verifier_metrics_url
 from specmesh_bench.report import markdown
 from specmesh_bench.runner import BenchRunner, RunConfig
-from specmesh_bench.verifier_metrics import DecodeTotals, VerifierMeter, decode_totals, tensor_parallel_row
+from specmesh_bench.verifier_metrics import DecodeTotals, VerifierMeter, decode_row, decode_totals
 from specmesh_bench.workload import BenchPrompt
 
 
@@ -48,12 +48,12 @@ def test_decode_totals_sum_every_batch_label_and_leave_prefill_out():
 def test_a_runs_figures_are_the_differences_before_and_after_it():
     before = decode_totals(exposition({"1": (10, 1.0)}, reduce=(10, 0.2)))
     after = decode_totals(exposition({"1": (30, 3.0), "2": (10, 2.0)}, reduce=(50, 1.7)))
-    row = tensor_parallel_row("greedy", 2, "ngram", after - before)
+    row = decode_row("greedy", 2, "ngram", after - before)
     assert row.decode_steps == 30
     assert row.decode_step_s == pytest.approx(4.0 / 30)  # (3 + 2 − 1) s over 30 steps
     assert row.all_reduce_s == pytest.approx(1.5 / 30)
     assert row.all_reduce_share == pytest.approx(1.5 / 4.0)
-    e = tensor_parallel_row("greedy", 1, "plain", DecodeTotals())
+    e = decode_row("greedy", 1, "plain", DecodeTotals())
     assert (e.decode_steps, e.decode_step_s, e.all_reduce_s, e.all_reduce_share) == (0, None, None, None)
 
 
@@ -91,7 +91,7 @@ def test_the_runner_meters_each_mode_of_each_wave_and_sums_them_per_run():
     assert rows["ngram"].all_reduce_share == pytest.approx(0.07 / 0.2)
 
 
-def test_the_flag_shards_the_verifier_splits_the_threads_and_gives_it_a_metrics_port():
+def test_the_flag_shards_the_verifier_splits_the_threads_and_every_local_verifier_gets_a_metrics_port():
     a = parse_args(["--modes", "plain", "--tensor-parallel-size", "2", "--threads", "4"])
     cfg = local_deployment(a, ["plain"], "m", "127.0.0.1:1", Path("/tmp/run"))
     assert (cfg.tensor_parallel_size, cfg.verifier_threads) == (2, 2)
@@ -99,7 +99,8 @@ def test_the_flag_shards_the_verifier_splits_the_threads_and_gives_it_a_metrics_
     a = parse_args(["--modes", "plain", "--tensor-parallel-size", "4", "--threads", "2"])
     assert local_deployment(a, ["plain"], "m", "o", Path("/tmp/run")).verifier_threads == 1  # at least one
     one = local_deployment(parse_args(["--modes", "plain"]), ["plain"], "m", "o", Path("/tmp/run"))
-    assert (one.tensor_parallel_size, one.verifier_threads, verifier_metrics_url(one)) == (1, 2, "")
+    assert (one.tensor_parallel_size, one.verifier_threads) == (1, 2)
+    assert verifier_metrics_url(one).startswith("http://127.0.0.1:"), "decode steps are read at TP=1 too"
 
 
 def test_a_metrics_port_given_as_a_verifier_arg_is_the_one_read():
@@ -119,12 +120,17 @@ def test_the_flag_is_refused_with_a_target(capsys):
         parse_args(["--tensor-parallel-size", "0"])
 
 
-def test_the_summary_states_the_layout_and_adds_the_all_reduce_table_only_when_given():
+def test_the_summary_states_the_layout_and_adds_the_decode_table_where_given_all_reduces_only_under_tp():
     meta = {"model": "m", "dtype": "float32", "device": "cpu", "threads": 2}
-    tp2 = markdown([], {**meta, "tensor_parallel_size": 2, "verifier_threads": 1}, {}, [], tensor_parallel=[
-        tensor_parallel_row("greedy", 1, "plain", DecodeTotals(10, 0.5, 0.1, 10))
-    ])  # fmt: skip
+    steps = [
+        decode_row("greedy", 1, "plain", DecodeTotals(10, 0.5, 0.1, 10)),
+        decode_row("greedy", 1, "suffix", DecodeTotals(5, 0.4, 0.1, 5)),
+    ]
+    tp2 = markdown([], {**meta, "tensor_parallel_size": 2, "verifier_threads": 1}, {}, [], decode=steps)
     assert "TP=2, 1 torch thread per rank" in tp2
-    assert "| greedy | 1 | plain | 10 | 50.0 | 10.00 | 20% |" in tp2
-    tp1 = markdown([], {**meta, "tensor_parallel_size": 1, "verifier_threads": 2}, {}, [])
+    assert "| greedy | 1 | plain | 10 | 50.0 | 1.00x | 10.00 | 20% |" in tp2
+    assert "| greedy | 1 | suffix | 5 | 80.0 | 1.60x | 20.00 | 25% |" in tp2, "a speculative step against a plain one"
+    tp1 = markdown([], {**meta, "tensor_parallel_size": 1, "verifier_threads": 2}, {}, [], decode=steps)
     assert "TP=1, 2 torch threads" in tp1 and "all-reduce" not in tp1
+    assert "| greedy | 1 | suffix | 5 | 80.0 | 1.60x |" in tp1
+    assert "Decode steps" not in markdown([], {**meta, "tensor_parallel_size": 1, "verifier_threads": 2}, {}, [])
