@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support import cpu_only_env
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 pytestmark = pytest.mark.slow
 

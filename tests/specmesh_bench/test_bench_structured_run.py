@@ -13,7 +13,7 @@ from support import cpu_only_env, start_gateway, start_verifier, stop_process, s
 
 from specmesh_bench.structured import FORCED
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,7 @@ from specmesh_bench.workload import (
     write_dev_split,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def fake_encode(text: str) -> list[int]:
