@@ -481,21 +481,18 @@ class BenchRunner:
         return cache_scope(self.run_token, mode, sampling, concurrency, name)
 
     def scopes(self) -> list[str]:
-        """Every measured run's scope of a learning mode, in run order."""
+        """The scopes warm-ups go through: every measured run's of a learning mode, in run order."""
         return [
-            s
+            self.scope(m, sampling, c, t)
             for sampling in self.config.samplings
             for c in self.config.concurrency
             for m in self._modes(sampling, c)
             if m in LEARNING_MODES
             for t in self.targets
-            if (s := self.scope(m, sampling, c, t))
         ]
 
     def _repeat_scope(self, scope: str, prompt: BenchPrompt) -> str:
         """``scope``, or for a prompt this scope has already been sent, a fresh scope of its own."""
-        if not scope:
-            return scope
         n = self._sent.get((scope, prompt.row_id), 0)
         self._sent[(scope, prompt.row_id)] = n + 1
         return f"{scope}-repeat{n}" if n else scope

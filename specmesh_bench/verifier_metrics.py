@@ -62,7 +62,7 @@ def decode_totals(text: str) -> DecodeTotals:
 
 @dataclass
 class DecodeRow:
-    """One mode at one concurrency: its decode steps and the all-reduces in them (rank 0)."""
+    """One mode at one concurrency: its decode steps, and the all-reduces in them (rank 0; none at TP=1)."""
 
     sampling: str
     concurrency: int
