@@ -45,7 +45,12 @@ LINEAR_OPS = (
     "aten::mm",
     "aten::matmul",
 )
-ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax")
+ATTENTION_OPS = (
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "specmesh_cpu::ordered_attention",
+    "aten::bmm",
+    "aten::_softmax",
+)
 
 
 def weight_read_ms(model: torch.nn.Module) -> tuple[float, float]:

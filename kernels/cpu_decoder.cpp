@@ -12,16 +12,24 @@
 //                                                      (as aten's mul, mul, add: fp-contract off)
 //   pool[l][:, slot(t)] = k(t), v(t)                   the tokens' cache slots
 //   attention per row over its runs of slots           aten::_scaled_dot_product_flash_attention_for_cpu
-//     (attention.paged_attention): runs merged by their log-sum-exp, exactly as there
+//     (attention.paged_attention): runs merged by their log-sum-exp, exactly as there; over GGUF blocks,
+//     each query over exactly the keys it sees in position order (ordered_attention, as
+//     attention.ordered_attention): the same bits whatever the step, as int8-quantized products need
 //   x = x + attn · Woᵀ
 //   h = rms_norm(x);  [g; u] = h · Wguᵀ;  x = x + (silu(g) · u) · Wdownᵀ
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -100,6 +108,159 @@ Part flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   return {out, lse};
 }
 
+
+// ---- Attention in key order, for GGUF steps: every query's own sums over exactly the keys it sees, in
+// position order, whatever else its step holds. A token decoded alone, in a tree or in a packed step sees
+// the same keys (its prefix and its ancestors, the same bits), so its output is the same bits; flash
+// attention's blocking and the runs' log-sum-exp merge depend on the step's shape and the cache's
+// layout, a difference of an ulp that int8-quantized activations (linear_gguf) can turn into a flipped
+// rounding, and so into a different token. Per query (one head, one token):
+//   s_k = (q · k_k) · scaling + mask_k   over its visible keys k (mask_k > −∞), in column order
+//   p_k = exp(s_k − max s);   out = (Σ_k p_k · v_k) / Σ_k p_k   (each sum in that order)
+struct Key {
+  int64_t col;     // the key's column in the mask: its position in the row's keys
+  int64_t index;   // its slot in the pool, or its index in the short runs' copies
+  bool copied;     // where it lies
+  bool masked;     // whether the mask applies (a run wholly below the row's shared part is seen by all)
+};
+
+// Each row's keys, sorted by column: its runs' (row, slot, start, stop, masked) in the pool, then its copied
+// run's positions (gathered[i] = its first index in the copies, masked).
+std::vector<std::vector<Key>> key_lists(const at::Tensor& runs, const at::Tensor& gathered, at::TensorList positions, int64_t B) {
+  TORCH_CHECK(runs.dim() == 2 && runs.size(1) == 5 && gathered.size(0) == B && static_cast<int64_t>(positions.size()) == B,
+              "ordered attention: every row's runs, copied run and positions");
+  const auto run = runs.accessor<int64_t, 2>();
+  const auto gath = gathered.accessor<int64_t, 2>();
+  std::vector<std::vector<Key>> keys(B);
+  for (int64_t r = 0, i = 0; i < B; ++i) {
+    std::vector<Key>& ks = keys[i];
+    for (; r < runs.size(0) && run[r][0] == i; ++r)
+      for (int64_t c = run[r][2]; c < run[r][3]; ++c) ks.push_back({c, run[r][1] + c - run[r][2], false, run[r][4] != 0});
+    const at::Tensor cols = positions[i].contiguous();
+    const int64_t* cp = cols.data_ptr<int64_t>();
+    for (int64_t c = 0; c < cols.numel(); ++c) ks.push_back({cp[c], gath[i][0] + c, true, gath[i][1] != 0});
+    std::stable_sort(ks.begin(), ks.end(), [](const Key& a, const Key& b) { return a.col < b.col; });
+  }
+  return keys;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) in 8 lanes for x ≤ 0 (a score less its query's maximum), each lane alone (Cephes' expf: 2^n · e^r,
+// |r| ≤ ln 2 / 2, a degree-6 polynomial; relative error ~1e-7); below −87, 2^−126-ish, not 0: the caller zeroes
+// the keys a query does not see.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// acc [D] += Σ_k p_k · v_k over the keys in order (D = 8·V lanes in registers; V = 0: any D, through memory)
+template <int V>
+inline void weighted_values(const std::vector<Key>& ks, const float* p, const float* pool_v, const float* copy_v,
+                            int64_t D, float* acc) {
+  if constexpr (V == 0) {
+    for (size_t k = 0; k < ks.size(); ++k) {
+      if (p[k] == 0.0f) continue;
+      const float* value = ks[k].copied ? copy_v + ks[k].index * D : pool_v + ks[k].index * D;
+      const __m256 pv = _mm256_set1_ps(p[k]);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(value + d), _mm256_loadu_ps(acc + d)));
+    }
+  } else {
+    __m256 a[V];
+    for (int v = 0; v < V; ++v) a[v] = _mm256_setzero_ps();
+    for (size_t k = 0; k < ks.size(); ++k) {
+      if (p[k] == 0.0f) continue;
+      const float* value = ks[k].copied ? copy_v + ks[k].index * D : pool_v + ks[k].index * D;
+      const __m256 pv = _mm256_set1_ps(p[k]);
+      for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(value + 8 * v), a[v]);
+    }
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + 8 * v, a[v]);
+  }
+}
+
+// out [B, G, g·w, D] for q [B, G, g·w, D]: row i's queries over keys[i] (sorted by column), the pools'
+// [G, slots, D] and the copies' [G, copies, D] (heads at their strides).
+void ordered_attention(const at::Tensor& q, const float* pool_k, const float* pool_v, int64_t pool_stride,
+                       const float* copy_k, const float* copy_v, int64_t copy_stride,
+                       const std::vector<std::vector<Key>>& keys, const at::Tensor& mask, double scaling, at::Tensor& out) {
+  const int64_t B = q.size(0), G = q.size(1), Q = q.size(2), D = q.size(3);
+  TORCH_CHECK(D % 8 == 0, "decode_layers: GGUF steps need a head size that is a multiple of 8");
+  RECORD_FUNCTION("specmesh_cpu::ordered_attention", std::vector<c10::IValue>());  // a profile counts it as attention
+  const float* qp = q.data_ptr<float>();
+  // the folded mask [B or 1, 1, g·w or 1, columns]: a step of one token has one row of it for all g heads
+  at::Tensor m = mask.to(at::kFloat).expand({B, 1, Q, mask.size(3)});
+  if (m.stride(3) != 1) m = m.contiguous();
+  const float* mp = m.data_ptr<float>();
+  const int64_t mask_row = m.stride(0), mask_query = m.stride(2);
+  float* op = out.data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * G * Q, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> score, acc(D);
+    for (int64_t task = a; task < b; ++task) {
+      const int64_t i = task / (G * Q), h = task / Q % G, j = task % Q;
+      const float* query = qp + task * D;
+      const float* row_mask = mp + i * mask_row + j * mask_query;
+      const std::vector<Key>& ks = keys[i];
+      const int64_t n = static_cast<int64_t>(ks.size()), padded8 = (n + 7) / 8 * 8;
+      score.assign(padded8, kNone);
+      // s_k = (q · k_k) · scaling + mask_k, −∞ where the query does not see k (−∞, or transformers' finfo.min)
+      float top = kNone;
+      for (int64_t k = 0; k < n; ++k) {
+        const float mk = ks[k].masked ? row_mask[ks[k].col] : 0.0f;
+        if (mk <= std::numeric_limits<float>::lowest()) continue;
+        const float* key = ks[k].copied ? copy_k + h * copy_stride + ks[k].index * D : pool_k + h * pool_stride + ks[k].index * D;
+        score[k] = dot(query, key, D) * scale + mk;
+        top = std::max(top, score[k]);
+      }
+      float* o = op + task * D;
+      if (top == kNone) {  // a padding query sees nothing
+        std::fill(o, o + D, 0.0f);
+        continue;
+      }
+      // p_k = exp(s_k − max s), 0 where unseen; Σ p in key order
+      const __m256 top8 = _mm256_set1_ps(top), none8 = _mm256_set1_ps(kNone);
+      for (int64_t k = 0; k < padded8; k += 8) {
+        const __m256 s8 = _mm256_loadu_ps(score.data() + k);
+        const __m256 seen = _mm256_cmp_ps(s8, none8, _CMP_NEQ_OQ);
+        _mm256_storeu_ps(score.data() + k, _mm256_and_ps(seen, exp_nonpositive(_mm256_sub_ps(s8, top8))));
+      }
+      float total = 0.0f;
+      for (int64_t k = 0; k < n; ++k) total += score[k];
+      const float* pv = pool_v + h * pool_stride;
+      const float* cv = copy_v != nullptr ? copy_v + h * copy_stride : nullptr;
+      if (D == 64) {
+        weighted_values<8>(ks, score.data(), pv, cv, D, acc.data());
+      } else if (D == 128) {
+        weighted_values<16>(ks, score.data(), pv, cv, D, acc.data());
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        weighted_values<0>(ks, score.data(), pv, cv, D, acc.data());
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / total;
+    }
+  });
+}
+
 }  // namespace
 
 namespace specmesh_cpu {
@@ -154,6 +315,10 @@ at::Tensor decode_layers(
     gv = at::empty({G, copied, block_size * D}, keys.options());
   }
   const std::vector<int64_t> shape{hidden};
+  // GGUF steps attend in key order (ordered_attention): each row's keys, sorted by column, once for every layer
+  const bool ordered = kinds[0] != kFloat32 && kinds[0] != kOneDNN;
+  const std::vector<std::vector<Key>> row_keys =
+      ordered ? key_lists(runs, gathered, gathered_positions, B) : std::vector<std::vector<Key>>();
   for (int64_t l = 0; l < L; ++l) {
     const at::TensorList p = products.slice(per * l, per);
     const at::IntArrayRef k = kinds.slice(per * l, per);
@@ -178,40 +343,46 @@ at::Tensor decode_layers(
       q = fused.view({b, n, H + 2 * G, D}).slice(2, 0, H).transpose(1, 2).reshape({b, G, g * n, D});
     }
     at::Tensor out = at::empty({B, G, g * w, D}, x.options());
-    std::vector<Part> parts;
-    int64_t r = 0;
-    for (int64_t i = 0; i < B; ++i) {
-      parts.clear();
-      const at::Tensor qi = q.slice(0, i, i + 1);
-      for (; r < runs.size(0) && run[r][0] == i; ++r) {
-        const int64_t at_slot = run[r][1], start = run[r][2], stop = run[r][3];
-        const at::Tensor kr = pk.slice(1, at_slot, at_slot + stop - start).unsqueeze(0);
-        const at::Tensor vr = pv.slice(1, at_slot, at_slot + stop - start).unsqueeze(0);
-        std::optional<at::Tensor> m;
-        if (run[r][4]) m = mask.slice(0, i, i + 1).slice(3, start, stop);
-        parts.push_back(flash(qi, kr, vr, m, scaling));
+    if (ordered) {
+      const at::Tensor qc = q.contiguous();
+      ordered_attention(qc, pk.data_ptr<float>(), pv.data_ptr<float>(), slots * D, copied ? gk.data_ptr<float>() : nullptr,
+                        copied ? gv.data_ptr<float>() : nullptr, copied * block_size * D, row_keys, mask, scaling, out);
+    } else {  // flash attention per run, the runs merged by their log-sum-exp
+      std::vector<Part> parts;
+      int64_t r = 0;
+      for (int64_t i = 0; i < B; ++i) {
+        parts.clear();
+        const at::Tensor qi = q.slice(0, i, i + 1);
+        for (; r < runs.size(0) && run[r][0] == i; ++r) {
+          const int64_t at_slot = run[r][1], start = run[r][2], stop = run[r][3];
+          const at::Tensor kr = pk.slice(1, at_slot, at_slot + stop - start).unsqueeze(0);
+          const at::Tensor vr = pv.slice(1, at_slot, at_slot + stop - start).unsqueeze(0);
+          std::optional<at::Tensor> m;
+          if (run[r][4]) m = mask.slice(0, i, i + 1).slice(3, start, stop);
+          parts.push_back(flash(qi, kr, vr, m, scaling));
+        }
+        if (const int64_t count = gathered_positions[i].numel()) {
+          const int64_t from = gath[i][0];
+          const at::Tensor kr = gk.view({G, -1, D}).slice(1, from, from + count).unsqueeze(0);
+          const at::Tensor vr = gv.view({G, -1, D}).slice(1, from, from + count).unsqueeze(0);
+          std::optional<at::Tensor> m;
+          if (gath[i][1]) m = mask.slice(0, i, i + 1).index_select(3, gathered_positions[i]);
+          parts.push_back(flash(qi, kr, vr, m, scaling));
+        }
+        TORCH_CHECK(!parts.empty(), "decode_layers: row ", i, " reads nothing");
+        if (parts.size() == 1) {
+          out[i].copy_(parts[0].out[0]);
+          continue;
+        }
+        // out = Σ_r exp(lse_r − LSE) · out_r: the runs' softmaxes weighted by their shares of the row's mass
+        std::vector<at::Tensor> outs, lses;
+        for (const Part& p : parts) {
+          outs.push_back(p.out[0]);
+          lses.push_back(p.lse[0]);
+        }
+        const at::Tensor weights = at::softmax(at::stack(lses), 0);  // [runs, G, g·n]
+        out[i].copy_((weights.unsqueeze(-1) * at::stack(outs).to(at::kFloat)).sum(0));
       }
-      if (const int64_t count = gathered_positions[i].numel()) {
-        const int64_t from = gath[i][0];
-        const at::Tensor kr = gk.view({G, -1, D}).slice(1, from, from + count).unsqueeze(0);
-        const at::Tensor vr = gv.view({G, -1, D}).slice(1, from, from + count).unsqueeze(0);
-        std::optional<at::Tensor> m;
-        if (gath[i][1]) m = mask.slice(0, i, i + 1).index_select(3, gathered_positions[i]);
-        parts.push_back(flash(qi, kr, vr, m, scaling));
-      }
-      TORCH_CHECK(!parts.empty(), "decode_layers: row ", i, " reads nothing");
-      if (parts.size() == 1) {
-        out[i].copy_(parts[0].out[0]);
-        continue;
-      }
-      // out = Σ_r exp(lse_r − LSE) · out_r: the runs' softmaxes weighted by their shares of the row's mass
-      std::vector<at::Tensor> outs, lses;
-      for (const Part& p : parts) {
-        outs.push_back(p.out[0]);
-        lses.push_back(p.lse[0]);
-      }
-      const at::Tensor weights = at::softmax(at::stack(lses), 0);  // [runs, G, g·n]
-      out[i].copy_((weights.unsqueeze(-1) * at::stack(outs).to(at::kFloat)).sum(0));
     }
     at::Tensor attn = out.view({B, H, w, D}).transpose(1, 2).contiguous();  // [B, w, H, D]
     attn = (packed ? attn.view({B * w, H, D}).index_select(0, slot_of) : attn).view({b, n, H * D});
@@ -230,6 +401,25 @@ at::Tensor decode_layers(
   return x;
 }
 
+
+// ordered_attention as an operator, for the Python loops over GGUF weights (attention.ordered_attention):
+// q [B, G, Q, D] (folded queries), pools [G, slots, D], copies [G, copies, D] (or empty), each row's runs and
+// copied run as decode_layers takes them, the folded mask [B or 1, 1, Q or 1, columns] → [B, G, Q, D].
+at::Tensor ordered_attention_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                const at::Tensor& copied_keys, const at::Tensor& copied_values, const at::Tensor& runs,
+                                const at::Tensor& gathered, at::TensorList positions, const at::Tensor& mask, double scaling) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && q.dim() == 4 && keys.dim() == 3,
+              "ordered_attention: float32 q [B, G, Q, D] and pools [G, slots, D]");
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor ck = copied_keys.contiguous(), cv = copied_values.contiguous();
+  const bool copies = ck.numel() > 0;
+  at::Tensor out = at::empty_like(qc);
+  ordered_attention(qc, kc.data_ptr<float>(), vc.data_ptr<float>(), kc.size(1) * kc.size(2),
+                    copies ? ck.data_ptr<float>() : nullptr, copies ? cv.data_ptr<float>() : nullptr,
+                    copies ? ck.size(1) * ck.size(2) : 0, key_lists(runs, gathered, positions, q.size(0)), mask, scaling, out);
+  return out;
+}
+
 }  // namespace specmesh_cpu
 
 TORCH_LIBRARY_FRAGMENT(specmesh_cpu, m) {
@@ -239,6 +429,14 @@ TORCH_LIBRARY_FRAGMENT(specmesh_cpu, m) {
       "Tensor read_blocks, int block_size, Tensor runs, Tensor gathered, Tensor[] gathered_positions, Tensor mask, "
       "Tensor? pack_rows, Tensor? pack_cols, int pack_width, int heads, int kv_heads, float eps, float scaling) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(specmesh_cpu, CPU, m) { m.impl("decode_layers", &specmesh_cpu::decode_layers); }
+TORCH_LIBRARY_FRAGMENT(specmesh_cpu, m) {
+  m.def(
+      "ordered_attention(Tensor q, Tensor keys, Tensor values, Tensor copied_keys, Tensor copied_values, Tensor runs, "
+      "Tensor gathered, Tensor[] positions, Tensor mask, float scaling) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specmesh_cpu, CPU, m) {
+  m.impl("decode_layers", &specmesh_cpu::decode_layers);
+  m.impl("ordered_attention", &specmesh_cpu::ordered_attention_op);
+}
 // oneDNN's packed weights are MkldnnCPU tensors: a step that brings them dispatches there
 TORCH_LIBRARY_IMPL(specmesh_cpu, MkldnnCPU, m) { m.impl("decode_layers", &specmesh_cpu::decode_layers); }

@@ -1,5 +1,6 @@
-// y = x · wᵀ (+ bias) for a few rows of x, float32 (or GGUF Q8_0 / Q4_1 blocks), AVX2 + FMA + F16C: the CPU verifier's decode and small
-// verification steps, where reading the weights once is the whole cost. Built by cpu_linear.py.
+// y = x · wᵀ (+ bias) for a few rows of x, float32 (or GGUF Q8_0 / Q4_1 blocks, any rows), AVX2 + FMA + F16C (+ AVX-512
+// VNNI where the CPU has it): the CPU verifier's decode and small verification steps, where reading the weights
+// once is the whole cost. Built by cpu_linear.py.
 //
 // The weights are read one row at a time, each thread's rows one sequential stream: the first input row's
 // pass brings the row from memory, every further row re-reads it from L1. Each output is an 8-lane
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -93,126 +95,174 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 namespace {
 
-// ---- GGUF blocks (ggml's layouts). Every output is the float32 kernel's sum over its dequantized weight
-// row (8-lane partial sums over k in order, reduced once), whatever the number of rows, so a row's result
-// does not depend on its step; the weights are the same floats either way (one fmadd / mul per weight):
-//   Q8_0: 34 bytes per 32 weights: fp16 d, int8 q[32];          w = d · q
-//   Q4_1: 20 bytes per 32 weights: fp16 d, fp16 m, uint8 qs[16]; w_j = d · (qs[j] & 15) + m,
-//         w_{j+16} = d · (qs[j] >> 4) + m   (j < 16)
-// A step of at most kFusedTokens rows dequantizes each block into registers and multiplies it there by
-// every row of x (the blocks read once, nothing written); a larger step dequantizes 8 weight rows into a
-// buffer once and multiplies it tile by tile (2 rows of x × 4 weight rows in registers).
-constexpr int64_t kQ80Bytes = 34, kQ41Bytes = 20, kFusedTokens = 4;
+// ---- GGUF blocks (ggml's Q4_1 and Q8_0), multiplied as ggml multiplies them on a CPU: each 32-value block of
+// a row of x is quantized to int8, and each weight block's dot product with it is exact in integers before
+// one float multiply-add per block:
+//   x block:  d = max|x| / 127,  q = round(x · (1 / d)) (to nearest, ties to even),  s = d · Σ q
+//   Q8_0 weight block: dw, int8 qw[32]:                   Σ_j dw·qw_j · d·q_j = (dw·d) · Σ qw_j q_j
+//   Q4_1 weight block: dw, mw, 4-bit qw[32], w = dw·qw + mw: Σ_j w_j · d·q_j = (dw·d) · Σ qw_j q_j + mw · s
+// An output is Σ over its row's blocks, 8 at a time, of float(Σ qw q) · (dw·d) (+ mw · s) into 8 float lanes
+// (lane j: block j of each 8), reduced once: the same operations whatever the number of rows of x, so a
+// row's result does not depend on its step.
+//
+// The file's blocks are repacked once at load (cpu_linear.pack_gguf; the same bits, 4 or 8 of them a
+// weight): per weight row, its blocks' fp16 scales side by side ([nbp], nbp = blocks rounded up to 8, the
+// padding 0), so 8 blocks' scales convert in one instruction; then the blocks' integers:
+//   Q4_1 row: dw [nbp] fp16, mw [nbp] fp16, qs [nb][16] (weight j < 16: qs[j] & 15; 16 + j: qs[j] >> 4)
+//   Q8_0 row: dw [nbp] fp16, qw + 128 [nb][32] as uint8 (an unsigned operand for the u8·s8 dot product)
+constexpr int64_t kTile = 4;
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+inline int64_t padded(int64_t nb) { return (nb + 7) / 8 * 8; }
+
+// 8 int32 lanes of Σ u_j · s_j over 32 bytes (u unsigned, s signed; exact: |u·s| ≤ 255·127, 4 a lane)
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
-// One block's 32 weights as 4 vectors of 8.
-struct Q80 {
-  static constexpr int64_t kBytes = kQ80Bytes;
-  static inline void block(const uint8_t* p, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(half_to_float(p));
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
-    w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
-    w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
-    w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
-  }
+// lane j = Σ of v[j]'s 8 lanes (exact integers, so in any order)
+inline __m256i sum8(const __m256i v[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The rows of x quantized (see above): q [M, nb · 32]; d, s and Σ q [M, nbp], the padding 0.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+  int64_t nb, nbp;
 };
+
+// cpu_linear.quantize_rows_reference is the same in torch, bit for bit.
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32, nbp = padded(nb);
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nbp), std::vector<float>(M * nbp),
+                  std::vector<int32_t>(M * nbp), nb, nbp};
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
+  at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) {
+      const int64_t t = i / nb, b = i % nb;
+      const float* v = x + i * 32;  // rows are contiguous: block i of the whole is block b of row t
+      __m256 f[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) f[j] = _mm256_loadu_ps(v + 8 * j), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_movehdup_ps(m));
+      const float d = _mm_cvtss_f32(m) / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j)  // to nearest, ties to even (the default rounding mode)
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(f[j], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      s4 = _mm_hadd_epi32(s4, s4);
+      const int32_t sum = _mm_cvtsi128_si32(s4);
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + i * 32), _mm256_permutevar8x32_epi32(bytes, order));
+      r.d[t * nbp + b] = d;
+      r.s[t * nbp + b] = d * static_cast<float>(sum);
+      r.sum[t * nbp + b] = sum;
+    }
+  });
+  return r;
+}
 
 struct Q41 {
-  static constexpr int64_t kBytes = kQ41Bytes;
-  static inline void block(const uint8_t* p, __m256 w[4]) {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m256 d = _mm256_set1_ps(half_to_float(p)), m = _mm256_set1_ps(half_to_float(p + 2));
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
-    const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
-    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
-    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
-    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+  static constexpr int64_t kQuantBytes = 16;
+  static int64_t row_bytes(int64_t nb) { return 4 * padded(nb) + 16 * nb; }
+  static inline const uint8_t* block(const uint8_t* row, int64_t nbp, int64_t b) { return row + 4 * nbp + 16 * b; }
+  static inline __m256i weights(const uint8_t* p) {  // 32 unsigned nibbles in order
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
   }
+  static inline __m256i dot(__m256i w, __m256i x) { return dot_u8s8(w, x); }
 };
 
-template <class Q>
-inline void dequant_row(const uint8_t* row, int64_t blocks, float* out) {
-  __m256 w[4];
-  for (int64_t b = 0; b < blocks; ++b, row += Q::kBytes, out += 32) {
-    Q::block(row, w);
-    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, w[j]);
+struct Q80 {
+  static int64_t row_bytes(int64_t nb) { return 2 * padded(nb) + 32 * nb; }
+  static inline const uint8_t* block(const uint8_t* row, int64_t nbp, int64_t b) { return row + 2 * nbp + 32 * b; }
+  static inline __m256i weights(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  // Σ (qw + 128) · q: the caller takes 128 · Σ q off
+  static constexpr bool kOffset = true;
+  static inline __m256i dot(__m256i w, __m256i x) { return dot_u8s8(w, x); }
+#else
+  // maddubs would saturate on (qw + 128) · q: |qw| · (q with qw's sign) instead
+  static constexpr bool kOffset = false;
+  static inline __m256i dot(__m256i w, __m256i x) {
+    const __m256i qw = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return dot_u8s8(_mm256_abs_epi8(qw), _mm256_sign_epi8(x, qw));
+  }
+#endif
+};
+
+// Blocks 8g … 8g + count - 1 of one weight row by T rows of x (from row t0), into acc[t].
+template <class Q, int T>
+inline __attribute__((always_inline)) void group(const uint8_t* row, int64_t g, int64_t count, const QuantizedRows& x,
+                                                 int64_t t0, __m256 acc[T]) {
+  const int64_t nbp = x.nbp;
+  __m256i dots[T][8];  // per row of x and block: 8 int32 lanes of Σ qw q
+  for (int64_t j = 0; j < 8; ++j) {
+    if (j >= count) {
+      for (int t = 0; t < T; ++t) dots[t][j] = _mm256_setzero_si256();
+      continue;
+    }
+    const int64_t b = 8 * g + j;
+    const __m256i w = Q::weights(Q::block(row, nbp, b));
+    for (int t = 0; t < T; ++t)
+      dots[t][j] = Q::dot(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + ((t0 + t) * x.nb + b) * 32)));
+  }
+  const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g)));  // [8]
+  for (int t = 0; t < T; ++t) {
+    const int64_t at = (t0 + t) * nbp + 8 * g;
+    __m256i isum = sum8(dots[t]);  // [8]: Σ qw q per block
+    if constexpr (std::is_same_v<Q, Q80>) {
+      if constexpr (Q80::kOffset)
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum.data() + at)), 7));
+    }
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_loadu_ps(x.d.data() + at)), acc[t]);
+    if constexpr (std::is_same_v<Q, Q41>) {  // + mw · s
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * nbp + 16 * g)));
+      acc[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x.s.data() + at), acc[t]);
+    }
   }
 }
 
-// y[t · N] = Σ_k x[t · K + k] · w[k] for T rows of x and one weight row of GGUF blocks, dequantized in registers.
+// y[t · N] for T rows of x (from row t0) by one weight row.
 template <class Q, int T>
-inline void fused_row(const uint8_t* row, int64_t blocks, const float* x, int64_t K, float* y, int64_t N) {
-  __m256 acc[T], w[4];
+inline void row_times(const uint8_t* row, const QuantizedRows& x, int64_t t0, float* y, int64_t N) {
+  __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b, row += Q::kBytes) {
-    Q::block(row, w);
-    for (int t = 0; t < T; ++t)
-      for (int j = 0; j < 4; ++j) acc[t] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + t * K + b * 32 + 8 * j), acc[t]);
-  }
+  int64_t g = 0;
+  for (; 8 * (g + 1) <= x.nb; ++g) group<Q, T>(row, g, 8, x, t0, acc);
+  if (8 * g < x.nb) group<Q, T>(row, g, x.nb - 8 * g, x, t0, acc);
   for (int t = 0; t < T; ++t) y[t * N] = hsum(acc[t]);
 }
 
 template <class Q>
-void fused_rows(const uint8_t* row, int64_t blocks, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
-  switch (M) {
-    case 1: return fused_row<Q, 1>(row, blocks, x, K, y, N);
-    case 2: return fused_row<Q, 2>(row, blocks, x, K, y, N);
-    case 3: return fused_row<Q, 3>(row, blocks, x, K, y, N);
-    default: return fused_row<Q, 4>(row, blocks, x, K, y, N);
-  }
-}
-
-// y[t · N + r] = Σ_k x[t · K + k] · w[r · K + k] for T rows of x and R float32 weight rows (K % 8 == 0),
-// each sum as row_dot's.
-template <int T, int R>
-inline void tile_dot(const float* x, const float* w, int64_t K, float* y, int64_t N) {
-  __m256 acc[T][R];
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
-    for (int t = 0; t < T; ++t) {
-      const __m256 xv = _mm256_loadu_ps(x + t * K + k);
-      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(wv[r], xv, acc[t][r]);
-    }
-  }
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) y[t * N + r] = hsum(acc[t][r]);
-}
-
-template <class Q>
 void gguf_rows(const float* xp, const uint8_t* bp, int64_t M, int64_t N, int64_t K, float* yp) {
-  const int64_t nb = K / 32, row_bytes = nb * Q::kBytes;
-  at::parallel_for(0, (N + 7) / 8, 4, [&](int64_t b0, int64_t b1) {
-    std::vector<float> w(M > kFusedTokens ? 8 * K : 0);  // this chunk's 8 weight rows, dequantized
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t rows = std::min<int64_t>(8, N - b * 8);
-      if (M <= kFusedTokens) {
-        for (int64_t r = 0; r < rows; ++r) fused_rows<Q>(bp + (b * 8 + r) * row_bytes, nb, xp, M, K, yp + b * 8 + r, N);
-        continue;
-      }
-      for (int64_t r = 0; r < rows; ++r) dequant_row<Q>(bp + (b * 8 + r) * row_bytes, nb, w.data() + r * K);
-      float* yb = yp + b * 8;
+  const QuantizedRows x = quantize_rows(xp, M, K);
+  const int64_t row_bytes = Q::row_bytes(x.nb);
+  // each thread a run of weight rows, each row read once from memory and multiplied by every row of x,
+  // kTile rows of x at a time (the weight row stays in L1 between tiles)
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = bp + n * row_bytes;
       int64_t t = 0;
-      for (; t + 2 <= M; t += 2) {
-        if (rows == 8) {
-          tile_dot<2, 4>(xp + t * K, w.data(), K, yb + t * N, N);
-          tile_dot<2, 4>(xp + t * K, w.data() + 4 * K, K, yb + t * N + 4, N);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) tile_dot<2, 1>(xp + t * K, w.data() + r * K, K, yb + t * N + r, N);
-        }
+      for (; t + kTile <= M; t += kTile) row_times<Q, kTile>(row, x, t, yp + t * N + n, N);
+      switch (M - t) {
+        case 3: row_times<Q, 3>(row, x, t, yp + t * N + n, N); break;
+        case 2: row_times<Q, 2>(row, x, t, yp + t * N + n, N); break;
+        case 1: row_times<Q, 1>(row, x, t, yp + t * N + n, N); break;
+        default: break;
       }
-      for (; t < M; ++t)
-        for (int64_t r = 0; r < rows; ++r) tile_dot<1, 1>(xp + t * K, w.data() + r * K, K, yb + t * N + r, N);
     }
   });
 }
@@ -221,16 +271,17 @@ void gguf_rows(const float* xp, const uint8_t* bp, int64_t M, int64_t N, int64_t
 
 namespace specmesh_cpu {
 
-// x [..., K] · W[N, K]ᵀ with W as GGUF blocks: uint8 [N, K / 32 · block bytes]; kind 8 = Q8_0, 3 = Q4_1
-// (ggml's type numbers).
+// x [..., K] · W[N, K]ᵀ with W as GGUF blocks repacked (cpu_linear.pack_gguf): uint8 [N, row bytes]; kind 8 = Q8_0,
+// 3 = Q4_1 (ggml's type numbers).
 at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "specmesh_cpu::linear_gguf: CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "specmesh_cpu::linear_gguf: float32 input");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "specmesh_cpu::linear_gguf: uint8 blocks [N, bytes]");
   TORCH_CHECK(kind == 8 || kind == 3, "specmesh_cpu::linear_gguf: Q8_0 (8) or Q4_1 (3) blocks");
-  const int64_t block_bytes = kind == 8 ? kQ80Bytes : kQ41Bytes;
   const int64_t N = blocks.size(0), K = x.size(-1), nb = K / 32;
-  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == nb * block_bytes, "specmesh_cpu::linear_gguf: x [..., K] and blocks [N, K / 32 · ", block_bytes, "]");
+  const int64_t row_bytes = kind == 8 ? Q80::row_bytes(nb) : Q41::row_bytes(nb);
+  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == row_bytes, "specmesh_cpu::linear_gguf: x [..., K] and packed blocks [N, ",
+              row_bytes, "] (cpu_linear.pack_gguf)");
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   const int64_t M = xc.numel() / K;
   at::Tensor y = rows_out(x, N);

@@ -40,12 +40,30 @@ log = logging.getLogger(__name__)
 # the linears, and the decoder loop that calls them (cpu_decoder.cpp): one library, specmesh_cpu
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_decoder.cpp"))
 HEADER = Path(__file__).with_name("cpu_linear.h")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+BASE_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+# where the CPU has them (Zen 4, Ice Lake and later): the u8·s8 dot product of the GGUF kernels in one
+# instruction (vpdpbusd) instead of two; the same integers, so the same bits either way
+VNNI_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 STALE_LOCK_S = 600  # a build takes ~20-60 s; a lock this old is a killed builder's
 # ggml's numbers for the block formats ``linear_gguf`` reads (gguf.GGMLQuantizationType)
 GGML_Q4_1, GGML_Q8_0 = 3, 8
 # the other kinds of weight ``decode_layers`` multiplies by: this module's float32 kernel, oneDNN's packed weights
 FLOAT32, ONEDNN = -1, -2
+
+
+def vnni_supported() -> bool:
+    """Whether this CPU has AVX-512 VNNI with VL (Linux's /proc/cpuinfo flags)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+
+
+def cflags() -> tuple[str, ...]:
+    """The build's flags on this CPU (part of the built library's folder name, so a CPU without VNNI never
+    loads a library built with it)."""
+    return BASE_CFLAGS + (VNNI_CFLAGS if vnni_supported() else ())
 
 
 def cpu_supported() -> bool:
@@ -63,7 +81,8 @@ def load(build_dir: Path) -> bool:
         log.warning("cpu_linear: this CPU has no AVX2/FMA; the kernel is not used")
         return False
     code = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
-    digest = hashlib.sha256(code + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    flags = cflags()
+    digest = hashlib.sha256(code + " ".join(flags).encode() + torch.__version__.encode())
     folder = build_dir / f"specmesh_cpu-{digest.hexdigest()[:16]}"
     library = folder / "specmesh_cpu.so"
     try:
@@ -77,7 +96,7 @@ def load(build_dir: Path) -> bool:
             build(
                 name="specmesh_cpu",
                 sources=[str(p) for p in SOURCES],
-                extra_cflags=list(CFLAGS),
+                extra_cflags=list(flags),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
                 is_python_module=False,
@@ -170,20 +189,88 @@ def decode_layers(
     )  # fmt: skip
 
 
+def ordered_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    copied_keys: torch.Tensor,
+    copied_values: torch.Tensor,
+    runs: torch.Tensor,
+    gathered: torch.Tensor,
+    positions: list[torch.Tensor],
+    mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention in key order, as :func:`decode_layers` computes it for GGUF steps (after :func:`load`): q
+    [B, kv_heads, g·n, D] (folded queries) over the pools [kv_heads, slots, D] and the copies
+    [kv_heads, copied, D] (or empty), each row's runs and copied run as :class:`InPlaceReads` holds them, the
+    folded mask [B or 1, 1, g·n or 1, columns] → [B, kv_heads, g·n, D]."""
+    return torch.ops.specmesh_cpu.ordered_attention(
+        q, keys, values, copied_keys, copied_values, runs, gathered, positions, mask, scaling
+    )
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What :func:`linear` computes, the stock way."""
     return torch.nn.functional.linear(x, weight, bias)
 
 
 def linear_gguf(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """x [..., K] float32 · W[N, K]ᵀ with W as GGUF blocks, uint8 [N, K / 32 · block bytes] of ``kind``
-    (``GGML_Q4_1`` or ``GGML_Q8_0``) → [..., N] (after :func:`load`). Each output row is the float32
-    kernel's sum over the dequantized row, whatever the number of rows."""
+    """x [..., K] float32 · W[N, K]ᵀ with W as GGUF blocks of ``kind`` (``GGML_Q4_1`` or ``GGML_Q8_0``) repacked
+    by :func:`pack_gguf` → [..., N] (after :func:`load`), as ggml multiplies them: x quantized to int8 per
+    32 values, each block's integer dot product exact (:func:`linear_gguf_reference`). A row's result is
+    the same bits whatever the number of rows."""
     return torch.ops.specmesh_cpu.linear_gguf(x, blocks, kind)
 
 
+def _padded(nb: int) -> int:
+    return -(-nb // 8) * 8
+
+
+def pack_gguf(blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """A GGUF tensor's blocks uint8 [N, K / 32 · block bytes] → the rows :func:`linear_gguf` reads, the same
+    bits regrouped: per row the blocks' fp16 scales side by side (padded with zeros to a multiple of 8
+    blocks), then their integers; Q8_0's int8 weights stored as qw + 128 (uint8).
+
+    >>> one = torch.tensor([0, 60, 0, 0] + [0x21] * 16, dtype=torch.uint8)[None]   # Q4_1, d = 1.0, m = 0
+    >>> packed = pack_gguf(one, GGML_Q4_1); packed.shape, packed[0, :2].tolist(), packed[0, 16:18].tolist()
+    (torch.Size([1, 48]), [0, 60], [0, 0])
+    >>> torch.equal(unpack_gguf(packed, GGML_Q4_1, 32), one)
+    True
+    """
+    size = _block_bytes(kind)
+    n = blocks.shape[0]
+    b = blocks.view(n, -1, size)  # [N, nb, bytes]
+    nb = b.shape[1]
+    scales = 2 if kind == GGML_Q8_0 else 4
+    halves = torch.zeros(n, scales // 2, _padded(nb), 2, dtype=torch.uint8)  # [N, d (, m), nbp, 2]
+    for i in range(scales // 2):
+        halves[:, i, :nb] = b[..., 2 * i : 2 * i + 2]
+    quants = b[..., scales:]
+    if kind == GGML_Q8_0:
+        quants = quants ^ 0x80  # int8 qw → uint8 qw + 128
+    return torch.cat([halves.reshape(n, -1), quants.reshape(n, -1)], dim=1).contiguous()
+
+
+def unpack_gguf(packed: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
+    """:func:`pack_gguf` undone: the file's blocks uint8 [N, K / 32 · block bytes]."""
+    size, nb = _block_bytes(kind), in_features // 32
+    n, scales = packed.shape[0], 2 if kind == GGML_Q8_0 else 4
+    halves = packed[:, : scales // 2 * _padded(nb) * 2].reshape(n, scales // 2, _padded(nb), 2)[:, :, :nb]
+    quants = packed[:, scales // 2 * _padded(nb) * 2 :].reshape(n, nb, size - scales)
+    if kind == GGML_Q8_0:
+        quants = quants ^ 0x80
+    return torch.cat([halves.permute(0, 2, 1, 3).reshape(n, nb, scales), quants], dim=2).reshape(n, -1)
+
+
+def _block_bytes(kind: int) -> int:
+    if kind not in (GGML_Q4_1, GGML_Q8_0):
+        raise ValueError(f"GGUF block kind {kind}: only Q4_1 ({GGML_Q4_1}) and Q8_0 ({GGML_Q8_0})")
+    return 34 if kind == GGML_Q8_0 else 20
+
+
 def dequantize_reference(blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """GGUF blocks uint8 [N, K / 32 · block bytes] → float32 [N, K], in torch.
+    """GGUF blocks uint8 [N, K / 32 · block bytes] (the file's layout) → float32 [N, K], in torch.
 
     Q8_0, 34 bytes a block: fp16 d, int8 q[32]; w = d · q.
     Q4_1, 20 bytes a block: fp16 d, fp16 m, uint8 qs[16]; w[j] = d · (qs[j] & 15) + m, w[j + 16] = d · (qs[j] >> 4) + m.
@@ -192,19 +279,43 @@ def dequantize_reference(blocks: torch.Tensor, kind: int) -> torch.Tensor:
     >>> dequantize_reference(one, GGML_Q4_1)[0, [0, 16]].tolist()
     [1.0, 2.0]
     """
-    n = blocks.shape[0]
+    d, m, q = _split_reference(blocks, kind)
+    return (d * q.float() + m).reshape(blocks.shape[0], -1)
+
+
+def _split_reference(blocks: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The file's blocks → (d [N, nb, 1], m [N, nb, 1] float32 (0 for Q8_0), the integers [N, nb, 32])."""
+    n, size = blocks.shape[0], _block_bytes(kind)
+    b = blocks.view(n, -1, size)
+    d = b[..., :2].contiguous().view(torch.float16).float()
     if kind == GGML_Q8_0:
-        b = blocks.view(n, -1, 34)  # [N, blocks, 34]
-        d = b[..., :2].contiguous().view(torch.float16).float()  # [N, blocks, 1]
-        return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(n, -1)
-    if kind != GGML_Q4_1:
-        raise ValueError(f"GGUF block kind {kind}: only Q4_1 ({GGML_Q4_1}) and Q8_0 ({GGML_Q8_0})")
-    b = blocks.view(n, -1, 20)
-    d, m = (b[..., i : i + 2].contiguous().view(torch.float16).float() for i in (0, 2))  # [N, blocks, 1] each
-    qs = b[..., 4:]  # [N, blocks, 16]
-    return (d * torch.cat([qs & 15, qs >> 4], dim=-1).float() + m).reshape(n, -1)
+        return d, torch.zeros_like(d), b[..., 2:].contiguous().view(torch.int8).long()
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    qs = b[..., 4:].long()
+    return d, m, torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] → (q int [M, K / 32, 32], d float32 [M, K / 32]), as :func:`linear_gguf` quantizes its
+    input, bit for bit: per 32 values d = max|x| / 127, q = round(x · (1 / d)), ties to even.
+
+    >>> q, d = quantize_rows_reference(torch.linspace(-1.0, 1.0, 32)[None])
+    >>> q[0, 0, [0, 16, 31]].tolist(), round(d.item() * 127, 6)
+    ([-127, 4, 127], 1.0)
+    """
+    xb = x.reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1) / 127.0  # [M, nb]
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(xb * inv[..., None]).long(), d
 
 
 def linear_gguf_reference(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """What :func:`linear_gguf` computes, the stock way (up to summation order and the fused d · q + m)."""
-    return torch.nn.functional.linear(x, dequantize_reference(blocks, kind))
+    """What :func:`linear_gguf` computes over the file's blocks, in float64 (up to its float32 summation):
+    Σ_blocks (dw · d) · Σ qw q + mw · d · Σ q."""
+    xs = x.reshape(-1, x.shape[-1])
+    q, d = quantize_rows_reference(xs)  # [M, nb, 32], [M, nb]
+    dw, mw, qw = _split_reference(blocks, kind)  # [N, nb, 1] twice, [N, nb, 32]
+    isum = torch.einsum("mbj,nbj->mnb", q, qw).double()  # exact integers
+    s = d.double() * q.sum(-1).double()  # [M, nb]
+    y = (isum * (dw[..., 0].double()[None] * d.double()[:, None])).sum(-1) + s @ mw[..., 0].double().T
+    return y.float().reshape(*x.shape[:-1], -1)

@@ -42,6 +42,9 @@ from specmesh_server.paged_kv import BlockContext, TableContext
 ATTN_NAME = "specmesh"
 META_KWARG = "specmesh_tree"  # the tree kernel's mask metadata, passed through the decoder's kwargs
 PACK_KWARG = "specmesh_packed"  # a packed forward's Packing, passed the same way
+# set on the attention modules of a model over GGUF blocks (``gguf_weights.order_attention``): attention in
+# key order, :func:`ordered_attention`, as the native loop's GGUF steps
+ORDERED_ATTR = "specmesh_ordered"
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,51 @@ def paged_attention(
     return out.view(b, heads, n, dim).transpose(1, 2).contiguous()
 
 
+def ordered_attention(
+    query: torch.Tensor,
+    keys: BlockContext | torch.Tensor,
+    values: BlockContext | torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """query [b, H, n, D] over the cache's keys and values (in place, or gathered [b, kv_heads, kv, D]) →
+    [b, n, H, D], each query's sums over exactly the keys it sees, in position order
+    (``specmesh_kernels.cpu_decoder.cpp``, ``ordered_attention``): a token's output is the same bits
+    whatever step it is in, which GGUF weights' int8-quantized activations need (a difference of an ulp
+    may flip a rounding there). The native loop computes the same, bit for bit.
+    """
+    from specmesh_kernels import cpu_linear
+
+    b, heads, n, dim = query.shape
+    empty, none = torch.empty(0, dtype=torch.long), torch.empty(0)
+    if isinstance(keys, BlockContext):
+        pools = keys.pool, values.pool  # [kv_heads, slots, D]
+        copies = (keys.gathered, values.gathered) if keys.gathered is not None else (none, none)
+        rows = keys.rows
+        runs = [(i, r.slot, r.start, r.stop, int(r.stop > row.shared)) for i, row in enumerate(rows) for r in row.runs]
+        gathered = [(0, 0) if (g := row.gathered) is None else (g.slot, int(g.last >= row.shared)) for row in rows]
+        positions = [empty if row.gathered is None else row.gathered.positions for row in rows]
+    else:
+        kv_heads, kv = keys.shape[1], keys.shape[2]
+        pools = tuple(t.transpose(0, 1).reshape(kv_heads, b * kv, dim) for t in (keys, values))  # row i's at i·kv
+        copies = none, none
+        runs = [(i, i * kv, 0, kv, 1) for i in range(b)]
+        gathered, positions = [(0, 0)] * b, [empty] * b
+    kv_len = mask.shape[-1] if mask is not None else (keys.shape[2] if isinstance(keys, torch.Tensor) else 0)
+    if mask is None:  # transformers' implicit causality: query j sees positions up to kv_len − n + j
+        seen = torch.arange(kv_len)[None] <= torch.arange(kv_len - n, kv_len)[:, None]
+        mask = seen[None, None]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    groups = heads // pools[0].shape[0]
+    out = cpu_linear.ordered_attention(
+        fold_queries(query, groups), *pools, *copies, torch.tensor(runs, dtype=torch.long).view(-1, 5),
+        torch.tensor(gathered, dtype=torch.long).view(b, 2), positions, folded_mask(mask, groups),
+        scaling if scaling is not None else dim**-0.5,
+    )  # [b, kv_heads, g·n, D]  # fmt: skip
+    return out.view(b, heads, n, dim).transpose(1, 2).contiguous()
+
+
 def _flash(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +225,8 @@ def attention_forward(
         )  # [b, width, H, D]
         return packing.unpad(out), None
     meta = kwargs.pop(META_KWARG, None)
+    if getattr(module, ORDERED_ATTR, False) and meta is None and not isinstance(key, TableContext):
+        return ordered_attention(query, key, value, attention_mask, scaling), None
     if isinstance(key, TableContext):  # the cache hands its pool and block table to the tree kernel
         return _tree_kernel(query, key, value, meta, scaling), None
     if isinstance(key, BlockContext):

@@ -7,13 +7,16 @@ then each linear layer whose GGUF tensor is in a supported block format is repla
 file: 210 Q4_1 layers (66 MB instead of 425) and the tied output head in Q8_0 (30 MB instead of 113);
 the input embedding stays float32 (a lookup reads one row per token).
 
-The kernel sums each output exactly as the float32 kernel does over the dequantized weight row (a
-step of at most 4 rows dequantizes the blocks in registers, a larger one 8 weight rows at a time into
-a buffer it multiplies tile by tile), so a row's logits do not depend on how many rows a step brings:
-speculative decoding over these weights is token-identical to plain decoding over them. Against the
-float32 target the model differs (by the float32 weights' rounding, nothing: those weights *are* these
-blocks dequantized; by the products' summation order, a little), so equality is checked against plain
-decoding of the same quantized weights.
+The kernel multiplies as ggml does on a CPU (``cpu_linear.linear_gguf``): each 32 values of the input
+quantized to int8, each block's dot product exact in integers, one float multiply-add per block; the
+blocks are repacked once at load (their scales side by side, the same bits). Against the float32
+target the model differs (by the input's int8 rounding, ~1 % of a product's scale, as llama.cpp's
+does), so equality is checked against plain decoding of the same quantized weights. A row's result
+does not depend on the rows beside it, but an int8 rounding can turn an ulp's difference in the
+input into a whole step of it: so the rest of a step over these weights must not depend on the step
+either, and attention runs in key order (:func:`order_attention`, ``attention.ordered_attention``):
+a token's logits are the same bits decoded alone, in a tree or packed beside other rows, and
+speculative decoding over these weights is token-identical to plain decoding over them.
 
 llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k`` for its rotary layout;
 transformers' loader undoes that on the dequantized weights, and the same permutation is applied here
@@ -46,20 +49,38 @@ _LAYER_TENSORS = {
 
 
 class GGUFLinear(torch.nn.Module):
-    """A bias-free linear layer over GGUF blocks: uint8 [out, in / 32 · block bytes]."""
+    """A bias-free linear layer over a GGUF tensor's blocks (the file's layout, uint8 [out, in / 32 · block
+    bytes]), kept as :func:`cpu_linear.pack_gguf` regroups them for the kernel (``blocks``, the same bits)."""
 
     def __init__(self, blocks: torch.Tensor, kind: int, in_features: int) -> None:
         super().__init__()
         if blocks.dtype != torch.uint8 or blocks.shape[1] != in_features // 32 * BLOCK_BYTES[kind]:
             raise ValueError(f"GGUF blocks {tuple(blocks.shape)} do not hold {in_features} weights a row")
-        self.blocks, self.kind = blocks, kind
+        self.blocks, self.kind = cpu_linear.pack_gguf(blocks, kind), kind
         self.in_features, self.out_features = in_features, blocks.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
         return cpu_linear.linear_gguf(x, self.blocks, self.kind)
 
+    def file_blocks(self) -> torch.Tensor:
+        """The blocks as the file holds them."""
+        return cpu_linear.unpack_gguf(self.blocks, self.kind, self.in_features)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+def order_attention(model: torch.nn.Module) -> bool:
+    """Mark ``model``'s attention modules for attention in key order (``attention.ordered_attention``) if
+    any of its linears is on GGUF blocks; whether it did."""
+    from specmesh_server.attention import ORDERED_ATTR
+
+    if not any(isinstance(m, GGUFLinear) for m in model.modules()):
+        return False
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention"):
+            setattr(module, ORDERED_ATTR, True)
+    return True
 
 
 def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -66,8 +66,7 @@ def resolve_model_path(spec: str | None = None) -> Path:
     → itself; a ``.gguf`` file → its converted cache folder.
     """
     if spec in (None, "", DEFAULT_MODEL):
-        gguf = default_gguf_path()
-        return _converted_gguf(gguf, cache_dir() / "models" / "SmolLM2-135M-Instruct")
+        return _converted_gguf(default_gguf_path(), _default_folder())
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -82,12 +81,19 @@ def resolve_model_path(spec: str | None = None) -> Path:
     )
 
 
+def _default_folder() -> Path:
+    return cache_dir() / "models" / "SmolLM2-135M-Instruct"
+
+
 def gguf_source(spec: str | None = None) -> Path:
-    """The GGUF file a model spec was converted from: the default model's, or a ``.gguf`` path; a
-    ``ModelNotFoundError`` for an HF folder (it has no blocks to serve)."""
-    if spec in (None, "", DEFAULT_MODEL):
+    """The GGUF file a model spec was converted from: the default model's (by its name, or the folder it
+    was converted into, as ``specmesh bench`` names it), or a ``.gguf`` path; a ``ModelNotFoundError`` for
+    another HF folder (it has no blocks to serve)."""
+    path = Path(spec).expanduser() if spec else None
+    if spec in (None, "", DEFAULT_MODEL) or (
+        path is not None and path.is_dir() and path.resolve() == _default_folder().resolve()
+    ):
         return default_gguf_path()
-    path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
     raise ModelNotFoundError(f"--weights gguf serves a .gguf model (or the default); {spec!r} is not one")

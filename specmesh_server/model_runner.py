@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from specmesh_router.cost_model import ContextCost, StepCost
-from specmesh_server import attention, lean_llama, packed_linear
+from specmesh_server import attention, gguf_weights, lean_llama, packed_linear
 from specmesh_server.gguf_weights import GGUFLinear
 from specmesh_server.kv_blocks import BlockTable
 from specmesh_server.kv_cache import SlotKVCache, bytes_per_position, default_budget_bytes
@@ -87,6 +87,7 @@ class ModelRunner:
         self.linears = packed_linear.effective(linears, device, dtype)
         if self.linears != "stock":
             packed_linear.pack_linears(model, gemv=self.linears == "gemv")
+        gguf_weights.order_attention(model)  # over GGUF blocks: attention in key order, every path
         self.model = model
         self.decoder = model.get_decoder()  # the base model: hidden states, no lm_head
         self.lm_head = model.get_output_embeddings()

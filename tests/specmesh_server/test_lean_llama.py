@@ -115,6 +115,62 @@ def test_the_native_loop_equals_the_python_loop_over_long_runs_in_place(weights,
     assert native_calls == [(2, 600)] + [(2, 1)] * 4 + [(1, 4), (1, 5)]
 
 
+@pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
+def test_over_gguf_blocks_a_tokens_logits_are_the_same_bits_in_any_step(native_calls):
+    """GGUF products quantize their input to int8, so an ulp anywhere before may flip a rounding: a token's
+    logits must not depend on its step at all. Three tokens of two rows (~600 positions, long runs in place
+    and short ones copied) decoded one step at a time, as one tree each with a sibling branch beside the
+    path, and packed beside the other row's tree: the same bits every way (what makes speculation over
+    these weights token-identical to plain decoding)."""
+    from specmesh_server.attention import Packing
+    from specmesh_server.kv_blocks import BlockTable
+    from specmesh_server.model_runner import causal_mask
+
+    model = support.tiny_llama(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    _to_gguf(model)
+    tables = [
+        BlockTable(b"", blocks=[*range(20), *range(40, 60)]),
+        BlockTable(b"", blocks=[*range(20, 40), *range(61, 100, 2)]),
+    ]
+    ids = torch.randint(0, 64, (2, 610), generator=torch.Generator().manual_seed(4))
+
+    def prefilled():
+        runner = ModelRunner(copy.deepcopy(model), torch.device("cpu"), torch.float32, 1024, linears="gemv",
+                             block_size=16, kv_budget_bytes=1 << 22)  # fmt: skip
+        rows = runner.cache.rows(tables, 640)
+        pos = torch.arange(600)[None].expand(2, 600)
+        runner.forward(rows, ids[:, :600], pos, causal_mask(pos, 600))
+        return runner, rows
+
+    runner, rows = prefilled()
+    alone = []  # [2, vocab] per token 600, 601, 602
+    for p in range(600, 603):
+        last = torch.full((2, 1), p)
+        alone.append(runner.logits(runner.forward(rows, ids[:, p : p + 1], last, causal_mask(last, p + 1)))[:, 0])
+    # each row: 600, 601, a sibling of 601 (token 7), then 602 below 601; written at columns 600-603
+    tree_ids = torch.stack([ids[:, 600], ids[:, 601], torch.full((2,), 7), ids[:, 602]], dim=1)
+    tree_pos = torch.tensor([[600, 601, 601, 602]] * 2)
+    mask = causal_mask(torch.arange(600, 604)[None].expand(2, 4), 604)
+    mask[:, 2, 601], mask[:, 3, 602] = False, False  # the sibling apart from the path
+    write = torch.arange(600, 604)[None].expand(2, 4)
+    runner, rows = prefilled()
+    tree = runner.logits(runner.forward(rows, tree_ids, tree_pos, mask, write))  # [2, 4, vocab]
+    for token, node in ((0, 0), (1, 1), (2, 3)):
+        assert torch.equal(tree[:, node], alone[token]), token
+    # packed: row 0's tree (4 tokens) beside row 1's token 600 alone
+    runner, rows = prefilled()
+    pos = torch.tensor([[600, 601, 601, 602], [600, 600, 600, 600]])
+    mask = causal_mask(torch.tensor([[600, 601, 602, 603], [600, 600, 600, 600]]), 604)  # by column
+    mask[0, 2, 601], mask[0, 3, 602] = False, False
+    write = torch.tensor([[600, 601, 602, 603], [600, 601, 602, 603]])
+    packing = Packing(torch.tensor([0, 0, 0, 0, 1]), torch.tensor([0, 1, 2, 3, 0]), batch=2, width=4)
+    packed_ids = torch.cat([tree_ids[:1], ids[1:, 600:601].expand(1, 4)], dim=0)
+    packed = runner.logits(runner.forward(rows, packed_ids, pos, mask, write, packing=packing))  # [1, 5, vocab]
+    assert torch.equal(packed[0, 0], alone[0][0]) and torch.equal(packed[0, 3], alone[2][0])
+    assert torch.equal(packed[0, 4], alone[0][1])
+    assert all(shape[1] in (600, 1, 4, 5) for shape in native_calls) and len(native_calls) == 8
+
+
 def _to_gguf(model) -> None:
     """Every linear on Q4_1 blocks, the head on Q8_0."""
     from gguf import GGMLQuantizationType, quantize
