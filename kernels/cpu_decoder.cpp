@@ -13,7 +13,7 @@
 //   pool[l][:, slot(t)] = k(t), v(t)                   the tokens' cache slots
 //   attention per row over its runs of slots           aten::_scaled_dot_product_flash_attention_for_cpu
 //     (attention.paged_attention): runs merged by their log-sum-exp, exactly as there; over GGUF blocks,
-//     each query over exactly the keys it sees in position order (ordered_attention, as
+//     each query over exactly the keys it sees in column order (ordered_attention, as
 //     attention.ordered_attention): the same bits whatever the step, as int8-quantized products need
 //   x = x + attn · Woᵀ
 //   h = rms_norm(x);  [g; u] = h · Wguᵀ;  x = x + (silu(g) · u) · Wdownᵀ
@@ -115,7 +115,7 @@ Part flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
 // attention's blocking and the runs' log-sum-exp merge depend on the step's shape and the cache's
 // layout, a difference of an ulp that int8-quantized activations (linear_gguf) can turn into a flipped
 // rounding, and so into a different token. Per query (one head, one token):
-//   s_k = (q · k_k) · scaling + mask_k   over its visible keys k (mask_k > −∞), in column order
+//   s_k = (q · k_k) · scaling + mask_k   over its visible keys k (mask_k > −1e30), in column order
 //   p_k = exp(s_k − max s);   out = (Σ_k p_k · v_k) / Σ_k p_k   (each sum in that order)
 struct Key {
   int64_t col;     // the key's column in the mask: its position in the row's keys
@@ -214,6 +214,8 @@ void ordered_attention(const at::Tensor& q, const float* pool_k, const float* po
   float* op = out.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
   constexpr float kNone = -std::numeric_limits<float>::infinity();
+  // −∞, or any dtype's most negative value (transformers' masks hold finfo.min): a key the query does not see
+  constexpr float kUnseen = -1e30f;
   at::parallel_for(0, B * G * Q, 1, [&](int64_t a, int64_t b) {
     std::vector<float> score, acc(D);
     for (int64_t task = a; task < b; ++task) {
@@ -223,11 +225,11 @@ void ordered_attention(const at::Tensor& q, const float* pool_k, const float* po
       const std::vector<Key>& ks = keys[i];
       const int64_t n = static_cast<int64_t>(ks.size()), padded8 = (n + 7) / 8 * 8;
       score.assign(padded8, kNone);
-      // s_k = (q · k_k) · scaling + mask_k, −∞ where the query does not see k (−∞, or transformers' finfo.min)
+      // s_k = (q · k_k) · scaling + mask_k, −∞ where the query does not see k
       float top = kNone;
       for (int64_t k = 0; k < n; ++k) {
         const float mk = ks[k].masked ? row_mask[ks[k].col] : 0.0f;
-        if (mk <= std::numeric_limits<float>::lowest()) continue;
+        if (mk < kUnseen) continue;
         const float* key = ks[k].copied ? copy_k + h * copy_stride + ks[k].index * D : pool_k + h * pool_stride + ks[k].index * D;
         score[k] = dot(query, key, D) * scale + mk;
         top = std::max(top, score[k]);
@@ -286,7 +288,8 @@ at::Tensor decode_layers(
     const std::optional<at::Tensor>& pack_rows,  // a packed step (x [1, N, hidden]): token t's row, int64 [N]
     const std::optional<at::Tensor>& pack_cols,  // and its column in the padded layout [B, w]
     int64_t pack_width,                  // w: the padded layout's width (a packed step's)
-    int64_t heads, int64_t kv_heads, double eps, double scaling) {
+    int64_t heads, int64_t kv_heads, double eps, double scaling,
+    bool ordered) {                      // attention in key order (ordered_attention): a model over GGUF blocks
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.is_contiguous(), "decode_layers: x float32 [b, n, hidden]");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == at::kFloat, "decode_layers: float32 pools");
   const int64_t L = keys.size(0), b = x.size(0), n = x.size(1), hidden = x.size(2), T = b * n;
@@ -315,8 +318,7 @@ at::Tensor decode_layers(
     gv = at::empty({G, copied, block_size * D}, keys.options());
   }
   const std::vector<int64_t> shape{hidden};
-  // GGUF steps attend in key order (ordered_attention): each row's keys, sorted by column, once for every layer
-  const bool ordered = kinds[0] != kFloat32 && kinds[0] != kOneDNN;
+  // attention in key order (ordered_attention): each row's keys, sorted by column, once for every layer
   const std::vector<std::vector<Key>> row_keys =
       ordered ? key_lists(runs, gathered, gathered_positions, B) : std::vector<std::vector<Key>>();
   for (int64_t l = 0; l < L; ++l) {
@@ -427,7 +429,8 @@ TORCH_LIBRARY_FRAGMENT(specmesh_cpu, m) {
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] products, int[] kinds, "
       "Tensor keys, Tensor values, Tensor write, "
       "Tensor read_blocks, int block_size, Tensor runs, Tensor gathered, Tensor[] gathered_positions, Tensor mask, "
-      "Tensor? pack_rows, Tensor? pack_cols, int pack_width, int heads, int kv_heads, float eps, float scaling) -> Tensor");
+      "Tensor? pack_rows, Tensor? pack_cols, int pack_width, int heads, int kv_heads, float eps, float scaling, "
+      "bool ordered) -> Tensor");
 }
 TORCH_LIBRARY_FRAGMENT(specmesh_cpu, m) {
   m.def(

@@ -95,9 +95,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 namespace {
 
-// ---- GGUF blocks (ggml's Q4_1 and Q8_0), multiplied as ggml multiplies them on a CPU: each 32-value block of
-// a row of x is quantized to int8, and each weight block's dot product with it is exact in integers before
-// one float multiply-add per block:
+// ---- GGUF blocks (ggml's Q4_1 and Q8_0), multiplied in ggml's manner on a CPU (not its bits: ggml scales by
+// 127 / max and keeps d in fp16): each 32-value block of a row of x is quantized to int8, and each weight
+// block's dot product with it is exact in integers before one float multiply-add per block:
 //   x block:  d = max|x| / 127,  q = round(x · (1 / d)) (to nearest, ties to even),  s = d · Σ q
 //   Q8_0 weight block: dw, int8 qw[32]:                   Σ_j dw·qw_j · d·q_j = (dw·d) · Σ qw_j q_j
 //   Q4_1 weight block: dw, mw, 4-bit qw[32], w = dw·qw + mw: Σ_j w_j · d·q_j = (dw·d) · Σ qw_j q_j + mw · s
@@ -114,7 +114,8 @@ constexpr int64_t kTile = 4;
 
 inline int64_t padded(int64_t nb) { return (nb + 7) / 8 * 8; }
 
-// 8 int32 lanes of Σ u_j · s_j over 32 bytes (u unsigned, s signed; exact: |u·s| ≤ 255·127, 4 a lane)
+// 8 int32 lanes of Σ u_j · s_j over 32 bytes (u unsigned, s signed), 4 a lane; exact where maddubs's pair sums
+// stay within int16 (the callers': Q4_1's u ≤ 15, Q8_0's |qw| ≤ 128 by the sign trick; vpdpbusd is exact anyway)
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);

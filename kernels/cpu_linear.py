@@ -169,6 +169,7 @@ def decode_layers(
     eps: float,
     scaling: float,
     packing: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    ordered: bool = False,
 ) -> torch.Tensor:
     """Every decoder layer of a CPU step over the paged cache read in place (after :func:`load`); returns
     x after the last layer (before the final norm). See ``cpu_decoder.cpp``.
@@ -179,13 +180,14 @@ def decode_layers(
     by ``torch.ops.mkldnn._reorder_linear_weight``, otherwise a GGUF type for :func:`linear_gguf`); pools:
     keys, values float32 [layers, kv_heads, slots, D]; mask: the folded mask float32 [B, 1, g·w, kv_len].
     ``packing``: a packed step's (x [1, N, hidden]) each token's row and column int64 [N] in the padded
-    layout [B, w] attention reads, and w; None: attention reads x's own rows.
+    layout [B, w] attention reads, and w; None: attention reads x's own rows. ``ordered``: attention in key
+    order (:func:`ordered_attention`), as a model over GGUF blocks takes it; otherwise flash attention per run.
     """
     r = reads
     rows, cols, width = packing if packing is not None else (None, None, 0)
     return torch.ops.specmesh_cpu.decode_layers(
         x, cos, sin, norms, products, kinds, *pools, r.write, r.read_blocks, r.block_size, r.runs, r.gathered,
-        list(r.positions), mask, rows, cols, width, heads, kv_heads, eps, scaling,
+        list(r.positions), mask, rows, cols, width, heads, kv_heads, eps, scaling, ordered,
     )  # fmt: skip
 
 
@@ -217,7 +219,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def linear_gguf(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """x [..., K] float32 · W[N, K]ᵀ with W as GGUF blocks of ``kind`` (``GGML_Q4_1`` or ``GGML_Q8_0``) repacked
-    by :func:`pack_gguf` → [..., N] (after :func:`load`), as ggml multiplies them: x quantized to int8 per
+    by :func:`pack_gguf` → [..., N] (after :func:`load`), in ggml's manner: x quantized to int8 per
     32 values, each block's integer dot product exact (:func:`linear_gguf_reference`). A row's result is
     the same bits whatever the number of rows."""
     return torch.ops.specmesh_cpu.linear_gguf(x, blocks, kind)

@@ -161,7 +161,7 @@ def ordered_attention(
     scaling: float | None,
 ) -> torch.Tensor:
     """query [b, H, n, D] over the cache's keys and values (in place, or gathered [b, kv_heads, kv, D]) →
-    [b, n, H, D], each query's sums over exactly the keys it sees, in position order
+    [b, n, H, D], each query's sums over exactly the keys it sees (its mask above −1e30), in column order
     (``specmesh_kernels.cpu_decoder.cpp``, ``ordered_attention``): a token's output is the same bits
     whatever step it is in, which GGUF weights' int8-quantized activations need (a difference of an ulp
     may flip a rounding there). The native loop computes the same, bit for bit.
@@ -183,9 +183,13 @@ def ordered_attention(
         copies = none, none
         runs = [(i, i * kv, 0, kv, 1) for i in range(b)]
         gathered, positions = [(0, 0)] * b, [empty] * b
-    kv_len = mask.shape[-1] if mask is not None else (keys.shape[2] if isinstance(keys, torch.Tensor) else 0)
-    if mask is None:  # transformers' implicit causality: query j sees positions up to kv_len − n + j
-        seen = torch.arange(kv_len)[None] <= torch.arange(kv_len - n, kv_len)[:, None]
+    if mask is None and isinstance(keys, BlockContext):
+        raise ValueError("attention in key order over the cache in place needs the step's mask")
+    kv_len = mask.shape[-1] if mask is not None else keys.shape[2]
+    if mask is None:  # as transformers' SDPA: causal (query j sees columns up to j) for more than one query
+        seen = (
+            torch.arange(kv_len)[None] <= torch.arange(n)[:, None] if n > 1 else torch.ones(1, kv_len, dtype=torch.bool)
+        )
         mask = seen[None, None]
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))

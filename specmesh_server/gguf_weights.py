@@ -7,8 +7,8 @@ then each linear layer whose GGUF tensor is in a supported block format is repla
 file: 210 Q4_1 layers (66 MB instead of 425) and the tied output head in Q8_0 (30 MB instead of 113);
 the input embedding stays float32 (a lookup reads one row per token).
 
-The kernel multiplies as ggml does on a CPU (``cpu_linear.linear_gguf``): each 32 values of the input
-quantized to int8, each block's dot product exact in integers, one float multiply-add per block; the
+The kernel multiplies in ggml's manner on a CPU (``cpu_linear.linear_gguf``; not its bits): each 32 values
+of the input quantized to int8, each block's dot product exact in integers, one float multiply-add per block; the
 blocks are repacked once at load (their scales side by side, the same bits). Against the float32
 target the model differs (by the input's int8 rounding, ~1 % of a product's scale, as llama.cpp's
 does), so equality is checked against plain decoding of the same quantized weights. A row's result

@@ -247,6 +247,7 @@ class LeanLlama:
                 x, cos.reshape(rows, dim), sin.reshape(rows, dim), self.native.norms, products.weights,
                 products.kinds, cache.pools, reads, attention.folded_mask(attention_mask, heads // kv), heads, kv,
                 self.eps, self.scaling, None if packing is None else (packing.rows, packing.cols, packing.width),
+                ordered=getattr(self.layers[0].attn, attention.ORDERED_ATTR, False),  # as the Python loop's attention
             )  # fmt: skip
             return DecoderOutput(torch.rms_norm(x, shape, d.norm.weight, self.eps))
         for i, layer in enumerate(self.layers):

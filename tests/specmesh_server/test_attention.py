@@ -8,7 +8,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specmesh_server import paged_kv
-from specmesh_server.attention import attention_forward, paged_attention, supports
+from specmesh_server.attention import attention_forward, ordered_attention, paged_attention, supports
 from specmesh_server.kv_blocks import BlockTable
 from specmesh_server.paged_kv import PagedKVCache
 
@@ -63,13 +63,40 @@ def test_maskless_forwards_stay_causal_as_in_transformers():
     torch.testing.assert_close(got, want)
 
 
+def _kernel() -> bool:
+    from specmesh_server.packed_linear import gemv_supported
+
+    return gemv_supported()  # loads the CPU library, ordered_attention's
+
+
+@pytest.mark.parametrize("b,heads,kv_heads,n", [(1, 9, 3, 1), (3, 9, 3, 5), (4, 8, 2, 17)])
+def test_attention_in_key_order_matches_sdpa_over_gathered_keys(b, heads, kv_heads, n):
+    """GGUF models' attention (each query over the keys it sees, in column order), over gathered keys with
+    transformers' finfo.min tree masks, and with no mask (causal), against SDPA."""
+    if not _kernel():
+        pytest.skip("no CPU kernel library here")
+    torch.manual_seed(2)
+    prefix, dim = 11, 16
+    key, value = (torch.randn(b, kv_heads, prefix + n, dim) for _ in range(2))
+    query = torch.randn(b, heads, n, dim)
+    layer = _Layer(heads // kv_heads)
+    for mask in (_tree_mask(b, n, prefix), None):
+        want, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=dim**-0.5)
+        got = ordered_attention(query, key, value, mask, dim**-0.5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,n", [(9, 3, 1), (9, 3, 6), (4, 4, 3)])
-def test_attention_over_blocks_in_place_equals_the_rows_gathered(heads, kv_heads, n, dtype, monkeypatch):
+def test_attention_over_blocks_in_place_equals_the_rows_gathered(heads, kv_heads, n, dtype, ordered, monkeypatch):
     """Rows of different lengths whose tables are one long run; long runs around a short one; and
     short runs only (copied): after a forward writes each row's n new tokens, each row's parts merged
-    by log-sum-exp, under a tree mask over its new tokens, equal SDPA over its own positions gathered,
-    and no query sees a longer row's positions."""
+    by log-sum-exp (or, ``ordered``, every key it sees in column order, float32: GGUF models'), under a
+    tree mask over its new tokens, equal SDPA over its own positions gathered, and no query sees a longer
+    row's positions."""
+    if ordered and (dtype != torch.float32 or not _kernel()):
+        pytest.skip("attention in key order: float32, with the CPU kernel library")
     monkeypatch.setattr(paged_kv, "MIN_RUN", 8)  # runs of 2+ blocks of 4 read in place, shorter copied
     torch.manual_seed(1)
     bs, dim = 4, 16
@@ -88,7 +115,7 @@ def test_attention_over_blocks_in_place_equals_the_rows_gathered(heads, kv_heads
     for i, p in enumerate(prefixes):
         mask[i, :, :, : p + n] = _tree_mask(1, n, p).to(dtype)[0]
     query = torch.randn(len(tables), heads, n, dim).to(dtype)
-    got = paged_attention(query, keys, values, mask, 0.25)
+    got = (ordered_attention if ordered else paged_attention)(query, keys, values, mask, 0.25)
     for i, (t, p) in enumerate(zip(tables, prefixes, strict=True)):
         slots = torch.tensor([t[q // bs] * bs + q % bs for q in range(p + n)])
         k, v = (

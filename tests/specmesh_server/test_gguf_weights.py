@@ -41,7 +41,7 @@ def _packed(blocks: torch.Tensor, kind: GGMLQuantizationType) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 8), (3, 96, 13), (17, 576, 40), (5, 32, 1), (2, 1536, 9)])
-def test_the_kernel_is_ggmls_arithmetic_and_near_the_dequantized_product(kind, rows, k, n):
+def test_the_kernel_is_its_int8_reference_and_near_the_dequantized_product(kind, rows, k, n):
     blocks, w = _blocks(n, k, kind, seed=rows + k + n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
     got = cpu_linear.linear_gguf(x, _packed(blocks, kind), int(kind))
@@ -58,7 +58,7 @@ def test_integer_inputs_give_the_exact_integer_product(kind):
     k, n, g = 256, 24, torch.Generator().manual_seed(7)
     one = torch.tensor([0, 60], dtype=torch.uint8)  # fp16 1.0
     if kind == GGMLQuantizationType.Q8_0:
-        qw = torch.randint(-127, 128, (n, k // 32, 32), generator=g)
+        qw = torch.randint(-128, 128, (n, k // 32, 32), generator=g)  # −128 too: a file may hold it
         blocks = torch.cat([one.expand(n, k // 32, 2), qw.to(torch.int8).view(torch.uint8)], -1)
     else:
         qw = torch.randint(0, 16, (n, k // 32, 32), generator=g)
@@ -138,3 +138,42 @@ def test_a_verifier_over_the_blocks_decodes_speculatively_as_it_decodes_plainly(
         assert all(len(p) == 48 or p[-1] in lm.tokenizer.all_special_ids for p in plain)
     finally:
         stop_verifier(v)
+
+
+_ISA_SCRIPT = """
+import sys, torch
+from torch.utils.cpp_extension import load
+from specmesh_kernels import cpu_linear
+load(name="specmesh_cpu", sources=[str(p) for p in cpu_linear.SOURCES], extra_cflags=list(cpu_linear.BASE_CFLAGS),
+     extra_ldflags=["-fopenmp"], build_directory=sys.argv[1], is_python_module=False)
+torch.save([cpu_linear.linear_gguf(*case) for case in torch.load(sys.argv[2])], sys.argv[3])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu_linear.vnni_supported(), reason="this CPU builds the AVX2 kernel already")
+def test_the_avx2_build_gives_the_vnni_builds_bits(tmp_path):
+    """A CPU without AVX-512 VNNI takes maddubs/madd (and Q8_0's sign trick) where this one takes vpdpbusd: the
+    same integers, so the same bits. Built here without the VNNI flags, in a process of its own."""
+    import subprocess
+    import sys
+
+    cases = []
+    for kind in KINDS:
+        for k in (576, 1536):  # 18 blocks a row (a part group of 8), 48 (whole groups)
+            blocks, _ = _blocks(45, k, kind, seed=k)
+            x = torch.randn(6, k, generator=torch.Generator().manual_seed(k))
+            cases.append((x, _packed(blocks, kind), int(kind)))
+    torch.save(cases, tmp_path / "in.pt")
+    (tmp_path / "build").mkdir()
+    script = [
+        sys.executable,
+        "-c",
+        _ISA_SCRIPT,
+        str(tmp_path / "build"),
+        str(tmp_path / "in.pt"),
+        str(tmp_path / "out.pt"),
+    ]
+    subprocess.run(script, check=True)
+    for got, case in zip(torch.load(tmp_path / "out.pt"), cases, strict=True):
+        assert torch.equal(got, cpu_linear.linear_gguf(*case))

@@ -42,9 +42,9 @@ def native_calls(monkeypatch):
     """The token shapes of the steps the native decoder loop ran (a spy on ``cpu_linear.decode_layers``)."""
     calls, native = [], cpu_linear.decode_layers
 
-    def spy(x, *args):
+    def spy(x, *args, **kwargs):
         calls.append(tuple(x.shape[:2]))
-        return native(x, *args)
+        return native(x, *args, **kwargs)
 
     monkeypatch.setattr(cpu_linear, "decode_layers", spy)
     return calls
