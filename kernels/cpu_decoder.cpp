@@ -147,10 +147,7 @@ std::vector<std::vector<Key>> key_lists(const at::Tensor& runs, const at::Tensor
 inline float dot(const float* a, const float* b, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return specmesh_cpu::hsum(acc);
 }
 
 // exp(x) in 8 lanes for x ≤ 0 (a score less its query's maximum), each lane alone (Cephes' expf: 2^n · e^r,

@@ -19,12 +19,7 @@
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using specmesh_cpu::hsum;
 
 // y[t · N] = Σ_k x[t, k] · w[k] for M rows of x (row stride K): each an 8-lane partial sum over k in
 // order, reduced once; the weights loaded once for the M rows.
@@ -176,7 +171,6 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 }
 
 struct Q41 {
-  static constexpr int64_t kQuantBytes = 16;
   static int64_t row_bytes(int64_t nb) { return 4 * padded(nb) + 16 * nb; }
   static inline const uint8_t* block(const uint8_t* row, int64_t nbp, int64_t b) { return row + 4 * nbp + 16 * b; }
   static inline __m256i weights(const uint8_t* p) {  // 32 unsigned nibbles in order

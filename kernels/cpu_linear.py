@@ -47,6 +47,7 @@ VNNI_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 STALE_LOCK_S = 600  # a build takes ~20-60 s; a lock this old is a killed builder's
 # ggml's numbers for the block formats ``linear_gguf`` reads (gguf.GGMLQuantizationType)
 GGML_Q4_1, GGML_Q8_0 = 3, 8
+BLOCK_BYTES = {GGML_Q4_1: 20, GGML_Q8_0: 34}  # a block of 32 weights, the file's layout
 # the other kinds of weight ``decode_layers`` multiplies by: this module's float32 kernel, oneDNN's packed weights
 FLOAT32, ONEDNN = -1, -2
 
@@ -266,9 +267,9 @@ def unpack_gguf(packed: torch.Tensor, kind: int, in_features: int) -> torch.Tens
 
 
 def _block_bytes(kind: int) -> int:
-    if kind not in (GGML_Q4_1, GGML_Q8_0):
+    if kind not in BLOCK_BYTES:
         raise ValueError(f"GGUF block kind {kind}: only Q4_1 ({GGML_Q4_1}) and Q8_0 ({GGML_Q8_0})")
-    return 34 if kind == GGML_Q8_0 else 20
+    return BLOCK_BYTES[kind]
 
 
 def dequantize_reference(blocks: torch.Tensor, kind: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from specmesh_server.paged_kv import BlockContext, TableContext
+from specmesh_server.paged_kv import BlockContext, TableContext, read_lists
 
 ATTN_NAME = "specmesh"
 META_KWARG = "specmesh_tree"  # the tree kernel's mask metadata, passed through the decoder's kwargs
@@ -173,10 +173,7 @@ def ordered_attention(
     if isinstance(keys, BlockContext):
         pools = keys.pool, values.pool  # [kv_heads, slots, D]
         copies = (keys.gathered, values.gathered) if keys.gathered is not None else (none, none)
-        rows = keys.rows
-        runs = [(i, r.slot, r.start, r.stop, int(r.stop > row.shared)) for i, row in enumerate(rows) for r in row.runs]
-        gathered = [(0, 0) if (g := row.gathered) is None else (g.slot, int(g.last >= row.shared)) for row in rows]
-        positions = [empty if row.gathered is None else row.gathered.positions for row in rows]
+        runs, gathered, positions = read_lists(keys.rows)
     else:
         kv_heads, kv = keys.shape[1], keys.shape[2]
         pools = tuple(t.transpose(0, 1).reshape(kv_heads, b * kv, dim) for t in (keys, values))  # row i's at i·kv

@@ -35,7 +35,7 @@ import torch
 from specmesh_kernels import cpu_linear
 
 # ggml's type numbers (gguf.GGMLQuantizationType) → bytes per block of 32 weights
-BLOCK_BYTES = {cpu_linear.GGML_Q4_1: 20, cpu_linear.GGML_Q8_0: 34}
+BLOCK_BYTES = cpu_linear.BLOCK_BYTES
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",

@@ -115,6 +115,20 @@ class RowReads:
     gathered: Gathered | None = None
 
 
+def read_lists(rows: Sequence[RowReads]) -> tuple[list[tuple[int, ...]], list[tuple[int, int]], list[torch.Tensor]]:
+    """The rows' reads as the CPU kernels take them (``InPlaceReads``): every run (row, slot, start, stop,
+    masked), each row's copied run (first slot in the copies, masked) and its positions (empty: none). A run
+    wholly below the row's ``shared`` position is unmasked."""
+    runs, gathered, positions = [], [], []
+    empty = torch.empty(0, dtype=torch.long)
+    for i, row in enumerate(rows):
+        runs += [(i, r.slot, r.start, r.stop, int(r.stop > row.shared)) for r in row.runs]
+        g = row.gathered
+        gathered.append((0, 0) if g is None else (g.slot, int(g.last >= row.shared)))
+        positions.append(empty if g is None else g.positions)
+    return runs, gathered, positions
+
+
 def plan_reads(
     blocks: Sequence[int], length: int, shared: int, block_size: int, slot: int
 ) -> tuple[RowReads, list[int]]:
@@ -414,14 +428,7 @@ class PagedKVCache:
         (``specmesh_kernels.cpu_linear.decode_layers``); None unless it reads in place."""
         if self._reads is None or self._table is not None:
             return None
-        runs, gathered, positions = [], [], []
-        empty = torch.empty(0, dtype=torch.long)
-        for i, row in enumerate(self._reads):
-            runs += [(i, r.slot, r.start, r.stop, int(r.stop > row.shared)) for r in row.runs]
-            g = row.gathered
-            gathered.append((0, 0) if g is None else (g.slot, int(g.last >= row.shared)))
-            positions.append(empty if g is None else g.positions)
-        return InPlaceReads.of(self._write, self._read, self.block_size, runs, gathered, positions)
+        return InPlaceReads.of(self._write, self._read, self.block_size, *read_lists(self._reads))
 
     def copy_positions(self, table: BlockTable, src: torch.Tensor, dst_start: int) -> None:
         """Move positions ``src`` (int64 [m], ascending) of ``table``'s request to ``dst_start..+m-1``:
