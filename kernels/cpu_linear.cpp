@@ -92,59 +92,63 @@ namespace {
 
 // ---- GGUF blocks (ggml's Q4_1 and Q8_0), multiplied in ggml's manner on a CPU (not its bits: ggml scales by
 // 127 / max and keeps d in fp16): each 32-value block of a row of x is quantized to int8, and each weight
-// block's dot product with it is exact in integers before one float multiply-add per block:
+// block's dot product with it is exact in integers before one float multiply and add per block:
 //   x block:  d = max|x| / 127,  q = round(x · (1 / d)) (to nearest, ties to even),  s = d · Σ q
 //   Q8_0 weight block: dw, int8 qw[32]:                   Σ_j dw·qw_j · d·q_j = (dw·d) · Σ qw_j q_j
 //   Q4_1 weight block: dw, mw, 4-bit qw[32], w = dw·qw + mw: Σ_j w_j · d·q_j = (dw·d) · Σ qw_j q_j + mw · s
-// An output is Σ over its row's blocks, 8 at a time, of float(Σ qw q) · (dw·d) (+ mw · s) into 8 float lanes
-// (lane j: block j of each 8), reduced once: the same operations whatever the number of rows of x, so a
-// row's result does not depend on its step.
+// An output is y = 0; for each block b in order: y = y + float(Σ qw q) · (dw · d) (+ mw · s), each
+// operation rounded (no fused multiply-add): the same operations whatever the number of rows of x, so a
+// row's result does not depend on its step, and cpu_linear.linear_gguf_reference computes the same bits.
 //
-// The file's blocks are repacked once at load (cpu_linear.pack_gguf; the same bits, 4 or 8 of them a
-// weight): per weight row, its blocks' fp16 scales side by side ([nbp], nbp = blocks rounded up to 8, the
-// padding 0), so 8 blocks' scales convert in one instruction; then the blocks' integers:
-//   Q4_1 row: dw [nbp] fp16, mw [nbp] fp16, qs [nb][16] (weight j < 16: qs[j] & 15; 16 + j: qs[j] >> 4)
-//   Q8_0 row: dw [nbp] fp16, qw + 128 [nb][32] as uint8 (an unsigned operand for the u8·s8 dot product)
-constexpr int64_t kTile = 4;
-
-inline int64_t padded(int64_t nb) { return (nb + 7) / 8 * 8; }
-
-// 8 int32 lanes of Σ u_j · s_j over 32 bytes (u unsigned, s signed), 4 a lane; exact where maddubs's pair sums
-// stay within int16 (the callers': Q4_1's u ≤ 15, Q8_0's |qw| ≤ 128 by the sign trick; vpdpbusd is exact anyway)
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
+// The file's blocks are repacked once at load (cpu_linear.pack_gguf; the same bits) in groups of 8 weight
+// rows, one record per block of the group, so that one 32-byte vector holds 4 weights of each of the 8 rows
+// and one u8·s8 dot product (vpdpbusd, or maddubs + madd) with 4 values of x broadcast gives 8 rows' partial
+// sums, lane n for row n: no horizontal sums, and each group's outputs are one 8-float store.
+//   Q4_1 record (160 bytes): dw [8] fp16, mw [8] fp16, then 4 chunks of 32 bytes for weights 8c … 8c + 7:
+//     byte 4n + j = w[n, 8c + j] | w[n, 8c + 4 + j] << 4  (n: row in the group, j < 4)
+//   Q8_0 record (272 bytes): dw [8] fp16, then 8 chunks of 32 bytes for weights 4c … 4c + 3:
+//     byte 4n + j = qw[n, 4c + j] + 128 (an unsigned operand for the u8·s8 dot product)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+constexpr int kTile = 8;  // rows of x a group's weights are multiplied by while in registers (32 vector registers)
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+constexpr int kTile = 4;  // (16 vector registers)
+#endif
+
+// isum + Σ u_j · s_j per int32 lane over its 4 bytes (u unsigned, s signed); exact where maddubs's pair sums
+// stay within int16 (the callers': Q4_1's u ≤ 15, Q8_0's |qw| ≤ 128 by the sign trick; vpdpbusd is exact anyway)
+inline __m256i dot_u8s8(__m256i isum, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(isum, u, s);
+#else
+  return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
-// lane j = Σ of v[j]'s 8 lanes (exact integers, so in any order)
-inline __m256i sum8(const __m256i v[8]) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+// 4 bytes of x in every lane
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-// The rows of x quantized (see above): q [M, nb · 32]; d, s and Σ q [M, nbp], the padding 0.
+// The rows of x quantized (see above): q [M, K]; d, s and Σ q [M, K / 32].
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int32_t> sum;
-  int64_t nb, nbp;
+  int64_t K, nb;
 };
 
 // cpu_linear.quantize_rows_reference is the same in torch, bit for bit.
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / 32, nbp = padded(nb);
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nbp), std::vector<float>(M * nbp),
-                  std::vector<int32_t>(M * nbp), nb, nbp};
+  const int64_t nb = K / 32;
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
+                  std::vector<int32_t>(M * nb), K, nb};
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' lane interleave
   at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
-      const int64_t t = i / nb, b = i % nb;
-      const float* v = x + i * 32;  // rows are contiguous: block i of the whole is block b of row t
+      const float* v = x + i * 32;  // rows are contiguous: block i of the whole is block i % nb of row i / nb
       __m256 f[4];
       __m256 amax = _mm256_setzero_ps();
       for (int j = 0; j < 4; ++j) f[j] = _mm256_loadu_ps(v + 8 * j), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
@@ -162,100 +166,113 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
       const int32_t sum = _mm_cvtsi128_si32(s4);
       const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + i * 32), _mm256_permutevar8x32_epi32(bytes, order));
-      r.d[t * nbp + b] = d;
-      r.s[t * nbp + b] = d * static_cast<float>(sum);
-      r.sum[t * nbp + b] = sum;
+      r.d[i] = d;
+      r.s[i] = d * static_cast<float>(sum);
+      r.sum[i] = sum;
     }
   });
   return r;
 }
 
+// isum[t] += Σ qw q over one block of the group's 8 rows (lanes) for rows t0 … t0 + T - 1 of x; xq: the block's
+// 32 values of x row t0 (row t at xq + t · K).
 struct Q41 {
-  static int64_t row_bytes(int64_t nb) { return 4 * padded(nb) + 16 * nb; }
-  static inline const uint8_t* block(const uint8_t* row, int64_t nbp, int64_t b) { return row + 4 * nbp + 16 * b; }
-  static inline __m256i weights(const uint8_t* p) {  // 32 unsigned nibbles in order
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
+  static constexpr int64_t kRecord = 160;
+  static inline const uint8_t* chunks(const uint8_t* record) { return record + 32; }
+  template <int T>
+  static inline __attribute__((always_inline)) void dots(const uint8_t* w, const int8_t* xq, int64_t K, __m256i isum[T]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+      const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      for (int t = 0; t < T; ++t) {
+        isum[t] = dot_u8s8(isum[t], lo, broadcast4(xq + t * K + 8 * c));
+        isum[t] = dot_u8s8(isum[t], hi, broadcast4(xq + t * K + 8 * c + 4));
+      }
+    }
   }
-  static inline __m256i dot(__m256i w, __m256i x) { return dot_u8s8(w, x); }
 };
 
 struct Q80 {
-  static int64_t row_bytes(int64_t nb) { return 2 * padded(nb) + 32 * nb; }
-  static inline const uint8_t* block(const uint8_t* row, int64_t nbp, int64_t b) { return row + 2 * nbp + 32 * b; }
-  static inline __m256i weights(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static constexpr int64_t kRecord = 272;
+  static inline const uint8_t* chunks(const uint8_t* record) { return record + 16; }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   // Σ (qw + 128) · q: the caller takes 128 · Σ q off
   static constexpr bool kOffset = true;
-  static inline __m256i dot(__m256i w, __m256i x) { return dot_u8s8(w, x); }
+  template <int T>
+  static inline __attribute__((always_inline)) void dots(const uint8_t* w, const int8_t* xq, int64_t K, __m256i isum[T]) {
+    for (int c = 0; c < 8; ++c) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+      for (int t = 0; t < T; ++t) isum[t] = dot_u8s8(isum[t], u, broadcast4(xq + t * K + 4 * c));
+    }
+  }
 #else
   // maddubs would saturate on (qw + 128) · q: |qw| · (q with qw's sign) instead
   static constexpr bool kOffset = false;
-  static inline __m256i dot(__m256i w, __m256i x) {
-    const __m256i qw = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
-    return dot_u8s8(_mm256_abs_epi8(qw), _mm256_sign_epi8(x, qw));
+  template <int T>
+  static inline __attribute__((always_inline)) void dots(const uint8_t* w, const int8_t* xq, int64_t K, __m256i isum[T]) {
+    for (int c = 0; c < 8; ++c) {
+      const __m256i qw = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)),
+                                          _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m256i u = _mm256_abs_epi8(qw);
+      for (int t = 0; t < T; ++t) isum[t] = dot_u8s8(isum[t], u, _mm256_sign_epi8(broadcast4(xq + t * K + 4 * c), qw));
+    }
   }
 #endif
 };
 
-// Blocks 8g … 8g + count - 1 of one weight row by T rows of x (from row t0), into acc[t].
+// y[t · N + n] for the group's 8 weight rows n (a group of records) by rows t0 … t0 + T - 1 of x.
+// (No fused multiply-add: y = y + float(Σ qw q) · (dw · d), each rounded, as the reference does.)
 template <class Q, int T>
-inline __attribute__((always_inline)) void group(const uint8_t* row, int64_t g, int64_t count, const QuantizedRows& x,
-                                                 int64_t t0, __m256 acc[T]) {
-  const int64_t nbp = x.nbp;
-  __m256i dots[T][8];  // per row of x and block: 8 int32 lanes of Σ qw q
-  for (int64_t j = 0; j < 8; ++j) {
-    if (j >= count) {
-      for (int t = 0; t < T; ++t) dots[t][j] = _mm256_setzero_si256();
-      continue;
-    }
-    const int64_t b = 8 * g + j;
-    const __m256i w = Q::weights(Q::block(row, nbp, b));
-    for (int t = 0; t < T; ++t)
-      dots[t][j] = Q::dot(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + ((t0 + t) * x.nb + b) * 32)));
-  }
-  const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g)));  // [8]
-  for (int t = 0; t < T; ++t) {
-    const int64_t at = (t0 + t) * nbp + 8 * g;
-    __m256i isum = sum8(dots[t]);  // [8]: Σ qw q per block
-    if constexpr (std::is_same_v<Q, Q80>) {
-      if constexpr (Q80::kOffset)
-        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum.data() + at)), 7));
-    }
-    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_loadu_ps(x.d.data() + at)), acc[t]);
-    if constexpr (std::is_same_v<Q, Q41>) {  // + mw · s
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * nbp + 16 * g)));
-      acc[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x.s.data() + at), acc[t]);
-    }
-  }
-}
-
-// y[t · N] for T rows of x (from row t0) by one weight row.
-template <class Q, int T>
-inline void row_times(const uint8_t* row, const QuantizedRows& x, int64_t t0, float* y, int64_t N) {
+__attribute__((optimize("fp-contract=off"))) void group_times(const uint8_t* group, const QuantizedRows& x, int64_t t0,
+                                                              float* y, int64_t N) {
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; 8 * (g + 1) <= x.nb; ++g) group<Q, T>(row, g, 8, x, t0, acc);
-  if (8 * g < x.nb) group<Q, T>(row, g, x.nb - 8 * g, x, t0, acc);
-  for (int t = 0; t < T; ++t) y[t * N] = hsum(acc[t]);
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* record = group + b * Q::kRecord;
+    __m256i isum[T];
+    for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+    Q::template dots<T>(Q::chunks(record), x.q.data() + t0 * x.K + 32 * b, x.K, isum);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record)));  // [8]
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = (t0 + t) * x.nb + b;
+      __m256i total = isum[t];
+      if constexpr (std::is_same_v<Q, Q80>) {
+        if constexpr (Q80::kOffset) total = _mm256_sub_epi32(total, _mm256_set1_epi32(x.sum[at] * 128));
+      }
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[at]));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(total), scale));
+      if constexpr (std::is_same_v<Q, Q41>) {  // + mw · s
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 16)));
+        acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, _mm256_set1_ps(x.s[at])));
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (t0 + t) * N, acc[t]);
 }
 
 template <class Q>
 void gguf_rows(const float* xp, const uint8_t* bp, int64_t M, int64_t N, int64_t K, float* yp) {
   const QuantizedRows x = quantize_rows(xp, M, K);
-  const int64_t row_bytes = Q::row_bytes(x.nb);
-  // each thread a run of weight rows, each row read once from memory and multiplied by every row of x,
-  // kTile rows of x at a time (the weight row stays in L1 between tiles)
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = bp + n * row_bytes;
+  const int64_t group_bytes = x.nb * Q::kRecord;
+  // each thread a run of groups, each group read once from memory and multiplied by every row of x, kTile rows
+  // of x at a time (the group, 8 · K / 32 records, stays in L1 between tiles)
+  at::parallel_for(0, N / 8, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* group = bp + g * group_bytes;
+      float* y = yp + 8 * g;
       int64_t t = 0;
-      for (; t + kTile <= M; t += kTile) row_times<Q, kTile>(row, x, t, yp + t * N + n, N);
+      for (; t + kTile <= M; t += kTile) group_times<Q, kTile>(group, x, t, y, N);
       switch (M - t) {
-        case 3: row_times<Q, 3>(row, x, t, yp + t * N + n, N); break;
-        case 2: row_times<Q, 2>(row, x, t, yp + t * N + n, N); break;
-        case 1: row_times<Q, 1>(row, x, t, yp + t * N + n, N); break;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        case 7: group_times<Q, 7>(group, x, t, y, N); break;
+        case 6: group_times<Q, 6>(group, x, t, y, N); break;
+        case 5: group_times<Q, 5>(group, x, t, y, N); break;
+        case 4: group_times<Q, 4>(group, x, t, y, N); break;
+#endif
+        case 3: group_times<Q, 3>(group, x, t, y, N); break;
+        case 2: group_times<Q, 2>(group, x, t, y, N); break;
+        case 1: group_times<Q, 1>(group, x, t, y, N); break;
         default: break;
       }
     }
@@ -266,17 +283,17 @@ void gguf_rows(const float* xp, const uint8_t* bp, int64_t M, int64_t N, int64_t
 
 namespace specmesh_cpu {
 
-// x [..., K] · W[N, K]ᵀ with W as GGUF blocks repacked (cpu_linear.pack_gguf): uint8 [N, row bytes]; kind 8 = Q8_0,
-// 3 = Q4_1 (ggml's type numbers).
+// x [..., K] · W[N, K]ᵀ with W as GGUF blocks repacked (cpu_linear.pack_gguf): uint8 [N / 8, group bytes], 8
+// weight rows a group; kind 8 = Q8_0, 3 = Q4_1 (ggml's type numbers).
 at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "specmesh_cpu::linear_gguf: CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "specmesh_cpu::linear_gguf: float32 input");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "specmesh_cpu::linear_gguf: uint8 blocks [N, bytes]");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "specmesh_cpu::linear_gguf: uint8 blocks [N / 8, bytes]");
   TORCH_CHECK(kind == 8 || kind == 3, "specmesh_cpu::linear_gguf: Q8_0 (8) or Q4_1 (3) blocks");
-  const int64_t N = blocks.size(0), K = x.size(-1), nb = K / 32;
-  const int64_t row_bytes = kind == 8 ? Q80::row_bytes(nb) : Q41::row_bytes(nb);
-  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == row_bytes, "specmesh_cpu::linear_gguf: x [..., K] and packed blocks [N, ",
-              row_bytes, "] (cpu_linear.pack_gguf)");
+  const int64_t N = 8 * blocks.size(0), K = x.size(-1), nb = K / 32;
+  const int64_t group_bytes = nb * (kind == 8 ? Q80::kRecord : Q41::kRecord);
+  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == group_bytes, "specmesh_cpu::linear_gguf: x [..., K] and packed blocks [N / 8, ",
+              group_bytes, "] (cpu_linear.pack_gguf)");
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   const int64_t M = xc.numel() / K;
   at::Tensor y = rows_out(x, N);

@@ -221,49 +221,63 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def linear_gguf(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """x [..., K] float32 · W[N, K]ᵀ with W as GGUF blocks of ``kind`` (``GGML_Q4_1`` or ``GGML_Q8_0``) repacked
     by :func:`pack_gguf` → [..., N] (after :func:`load`), in ggml's manner: x quantized to int8 per
-    32 values, each block's integer dot product exact (:func:`linear_gguf_reference`). A row's result is
-    the same bits whatever the number of rows."""
+    32 values, each block's integer dot product exact, the blocks' float terms added in order
+    (:func:`linear_gguf_reference`, the same bits). A row's result is the same bits whatever the number of rows."""
     return torch.ops.specmesh_cpu.linear_gguf(x, blocks, kind)
 
 
-def _padded(nb: int) -> int:
-    return -(-nb // 8) * 8
+GROUP = 8  # weight rows :func:`pack_gguf` interleaves: one 32-byte vector holds 4 weights of each
 
 
 def pack_gguf(blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """A GGUF tensor's blocks uint8 [N, K / 32 · block bytes] → the rows :func:`linear_gguf` reads, the same
-    bits regrouped: per row the blocks' fp16 scales side by side (padded with zeros to a multiple of 8
-    blocks), then their integers; Q8_0's int8 weights stored as qw + 128 (uint8).
+    """A GGUF tensor's blocks uint8 [N, K / 32 · block bytes] (N a multiple of 8) → the groups
+    :func:`linear_gguf` reads, uint8 [N / 8, K / 32 · record bytes]: the same bits regrouped, per 8 rows
+    one record per block (``cpu_linear.cpp`` draws them):
 
-    >>> one = torch.tensor([0, 60, 0, 0] + [0x21] * 16, dtype=torch.uint8)[None]   # Q4_1, d = 1.0, m = 0
-    >>> packed = pack_gguf(one, GGML_Q4_1); packed.shape, packed[0, :2].tolist(), packed[0, 16:18].tolist()
-    (torch.Size([1, 48]), [0, 60], [0, 0])
+    - Q4_1, 160 bytes: the 8 rows' fp16 d, their fp16 m, then for c < 4 the 32 bytes
+      ``w[n, 8c + j] | w[n, 8c + 4 + j] << 4`` at 4n + j (n < 8 the row, j < 4);
+    - Q8_0, 272 bytes: the 8 rows' fp16 d, then for c < 8 the 32 bytes ``qw[n, 4c + j] + 128`` at 4n + j.
+
+    >>> one = torch.tensor([0, 60, 0, 0] + [0x21] * 16, dtype=torch.uint8).repeat(8, 1)  # Q4_1, d = 1.0, m = 0
+    >>> packed = pack_gguf(one, GGML_Q4_1)   # weights 0-15 are 1, 16-31 are 2: chunk 0 holds 1 | 1 << 4
+    >>> packed.shape, packed[0, :2].tolist(), packed[0, 32:36].tolist(), packed[0, 96:98].tolist()
+    (torch.Size([1, 160]), [0, 60], [17, 17, 17, 17], [34, 34])
     >>> torch.equal(unpack_gguf(packed, GGML_Q4_1, 32), one)
     True
     """
     size = _block_bytes(kind)
     n = blocks.shape[0]
-    b = blocks.view(n, -1, size)  # [N, nb, bytes]
-    nb = b.shape[1]
-    scales = 2 if kind == GGML_Q8_0 else 4
-    halves = torch.zeros(n, scales // 2, _padded(nb), 2, dtype=torch.uint8)  # [N, d (, m), nbp, 2]
-    for i in range(scales // 2):
-        halves[:, i, :nb] = b[..., 2 * i : 2 * i + 2]
-    quants = b[..., scales:]
+    if n % GROUP:
+        raise ValueError(f"pack_gguf: {n} weight rows, not a multiple of {GROUP}")
+    b = blocks.view(n // GROUP, GROUP, -1, size)  # [G, 8, nb, bytes]
+    groups, _, nb, _ = b.shape
+    dw = b[..., 0:2].permute(0, 2, 1, 3).reshape(groups, nb, 16)  # [G, nb, 8 · fp16]
     if kind == GGML_Q8_0:
-        quants = quants ^ 0x80  # int8 qw → uint8 qw + 128
-    return torch.cat([halves.reshape(n, -1), quants.reshape(n, -1)], dim=1).contiguous()
+        quants = (b[..., 2:] ^ 0x80).reshape(groups, GROUP, nb, 8, 4)  # [G, n, nb, c, j]: int8 qw → uint8 qw + 128
+        parts = [dw]
+    else:
+        qs = b[..., 4:]  # [G, n, nb, 16]: weight j < 16 in the low nibble of byte j, 16 + j in its high one
+        w = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(groups, GROUP, nb, 4, 2, 4)  # [G, n, nb, c, half, j]
+        quants = w[..., 0, :] | (w[..., 1, :] << 4)  # [G, n, nb, c, j]
+        parts = [dw, b[..., 2:4].permute(0, 2, 1, 3).reshape(groups, nb, 16)]
+    parts.append(quants.permute(0, 2, 3, 1, 4).reshape(groups, nb, -1))  # [G, nb, c · n · j]
+    return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
 
 
 def unpack_gguf(packed: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
     """:func:`pack_gguf` undone: the file's blocks uint8 [N, K / 32 · block bytes]."""
-    size, nb = _block_bytes(kind), in_features // 32
-    n, scales = packed.shape[0], 2 if kind == GGML_Q8_0 else 4
-    halves = packed[:, : scales // 2 * _padded(nb) * 2].reshape(n, scales // 2, _padded(nb), 2)[:, :, :nb]
-    quants = packed[:, scales // 2 * _padded(nb) * 2 :].reshape(n, nb, size - scales)
+    nb, groups = in_features // 32, packed.shape[0]
+    rec = packed.reshape(groups, nb, -1)
+    halves = [rec[..., 0:16]] if kind == GGML_Q8_0 else [rec[..., 0:16], rec[..., 16:32]]
+    scales = [h.reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3) for h in halves]  # [G, n, nb, 2]
     if kind == GGML_Q8_0:
-        quants = quants ^ 0x80
-    return torch.cat([halves.permute(0, 2, 1, 3).reshape(n, nb, scales), quants], dim=2).reshape(n, -1)
+        quants = rec[..., 16:].reshape(groups, nb, 8, GROUP, 4).permute(0, 3, 1, 2, 4) ^ 0x80  # [G, n, nb, c, j]
+        quants = quants.reshape(groups, GROUP, nb, 32)
+    else:
+        byte = rec[..., 32:].reshape(groups, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)  # [G, n, nb, c, j]
+        w = torch.stack([byte & 15, byte >> 4], dim=-2).reshape(groups, GROUP, nb, 32)  # weight order
+        quants = w[..., :16] | (w[..., 16:] << 4)
+    return torch.cat([*scales, quants], dim=-1).reshape(groups * GROUP, -1)
 
 
 def _block_bytes(kind: int) -> int:
@@ -313,12 +327,16 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def linear_gguf_reference(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """What :func:`linear_gguf` computes over the file's blocks, in float64 (up to its float32 summation):
-    Σ_blocks (dw · d) · Σ qw q + mw · d · Σ q."""
+    """What :func:`linear_gguf` computes over the file's blocks, in torch, bit for bit: y = 0, then for each
+    block in order y = y + float(Σ qw q) · (dw · d), and for Q4_1 y = y + mw · (d · Σ q), each rounded."""
     xs = x.reshape(-1, x.shape[-1])
     q, d = quantize_rows_reference(xs)  # [M, nb, 32], [M, nb]
     dw, mw, qw = _split_reference(blocks, kind)  # [N, nb, 1] twice, [N, nb, 32]
-    isum = torch.einsum("mbj,nbj->mnb", q, qw).double()  # exact integers
-    s = d.double() * q.sum(-1).double()  # [M, nb]
-    y = (isum * (dw[..., 0].double()[None] * d.double()[:, None])).sum(-1) + s @ mw[..., 0].double().T
-    return y.float().reshape(*x.shape[:-1], -1)
+    isum = torch.einsum("mbj,nbj->mnb", q, qw).float()  # exact integers (|Σ| < 2^24)
+    s = d * q.sum(-1).float()  # [M, nb]
+    y = torch.zeros(xs.shape[0], blocks.shape[0])
+    for b in range(q.shape[1]):
+        y = y + isum[..., b] * (dw[None, :, b, 0] * d[:, b, None])
+        if kind == GGML_Q4_1:
+            y = y + mw[None, :, b, 0] * s[:, b, None]
+    return y.reshape(*x.shape[:-1], -1)

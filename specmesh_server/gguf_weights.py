@@ -8,8 +8,8 @@ file: 210 Q4_1 layers (66 MB instead of 425) and the tied output head in Q8_0 (3
 the input embedding stays float32 (a lookup reads one row per token).
 
 The kernel multiplies in ggml's manner on a CPU (``cpu_linear.linear_gguf``; not its bits): each 32 values
-of the input quantized to int8, each block's dot product exact in integers, one float multiply-add per block; the
-blocks are repacked once at load (their scales side by side, the same bits). Against the float32
+of the input quantized to int8, each block's dot product exact in integers, one float multiply and add per
+block; the blocks are repacked once at load, 8 weight rows interleaved (the same bits). Against the float32
 target the model differs (by the input's int8 rounding, ~1 % of a product's scale, as llama.cpp's
 does), so equality is checked against plain decoding of the same quantized weights. A row's result
 does not depend on the rows beside it, but an int8 rounding can turn an ulp's difference in the
@@ -50,7 +50,8 @@ _LAYER_TENSORS = {
 
 class GGUFLinear(torch.nn.Module):
     """A bias-free linear layer over a GGUF tensor's blocks (the file's layout, uint8 [out, in / 32 · block
-    bytes]), kept as :func:`cpu_linear.pack_gguf` regroups them for the kernel (``blocks``, the same bits)."""
+    bytes], ``out`` a multiple of 8), kept as :func:`cpu_linear.pack_gguf` regroups them for the kernel (``blocks``
+    [out / 8, …], the same bits)."""
 
     def __init__(self, blocks: torch.Tensor, kind: int, in_features: int) -> None:
         super().__init__()
@@ -128,10 +129,10 @@ def quantize_linears(model: Any, gguf: Path) -> Counter[str]:
         parent = model.get_submodule(parent_path) if parent_path else model
         linear = getattr(parent, attr)
         kind = int(tensor.tensor_type)
-        if kind not in BLOCK_BYTES:
+        rows = np.asarray(tensor.data)  # uint8 [out, in / 32 · block bytes], the file's bytes
+        if kind not in BLOCK_BYTES or rows.shape[0] % cpu_linear.GROUP:  # the kernel takes rows 8 at a time
             counts["float32"] += 1
             continue
-        rows = np.asarray(tensor.data)  # uint8 [out, in / 32 · block bytes], the file's bytes
         if ".attn_q." in tensor.name:
             rows = unpermute_rows(rows, heads)
         elif ".attn_k." in tensor.name:

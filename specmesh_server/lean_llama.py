@@ -68,7 +68,7 @@ class Fused:
     """One product for several linear layers: float32 plain weights (the matrix-vector kernel, steps of at
     most ``GEMV_ROWS`` rows) or GGUF blocks of one kind (any step)."""
 
-    weight: torch.Tensor  # float32 [Σ out, in], or uint8 blocks [Σ out, in / 32 · block bytes]
+    weight: torch.Tensor  # float32 [Σ out, in], or uint8 blocks [Σ out / 8, in / 32 · record bytes]
     kind: int | None  # the blocks' GGUF kind; None: float32
     rows: int  # the most rows a step may bring to take it
 
@@ -108,8 +108,9 @@ def _fuse(modules: list[Any]) -> Fused | None:
     fused = torch.cat([getattr(m, attr) for m in modules])
     start = 0
     for m in modules:
-        setattr(m, attr, fused[start : start + m.out_features])
-        start += m.out_features
+        size = getattr(m, attr).shape[0]  # out_features rows, or out_features / 8 groups of blocks
+        setattr(m, attr, fused[start : start + size])
+        start += size
     return Fused(fused, kind, rows)
 
 
