@@ -114,9 +114,17 @@ Part flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
 // the same keys (its prefix and its ancestors, the same bits), so its output is the same bits; flash
 // attention's blocking and the runs' log-sum-exp merge depend on the step's shape and the cache's
 // layout, a difference of an ulp that int8-quantized activations (linear_gguf) can turn into a flipped
-// rounding, and so into a different token. Per query (one head, one token):
-//   s_k = (q · k_k) · scaling + mask_k   over its visible keys k (mask_k > −1e30), in column order
-//   p_k = exp(s_k − max s);   out = (Σ_k p_k · v_k) / Σ_k p_k   (each sum in that order)
+// rounding, and so into a different token. Per query (one head, one token), over its visible keys
+// (mask_k > −1e30) in column order, 1 … m:
+//   s_k = (q · k_k) · scaling + mask_k      q · k: 8 lanes of partial sums over d in order (lane d mod 8),
+//                                           then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+//   p_k = exp(s_k − max s)
+//   Σ p: 8 lanes over k in order (lane k mod 8), reduced as above;  Σ p_k · v_k: per d, over k in order
+//   out = (Σ p_k · v_k) / Σ p
+// Every sum runs over the query's own visible keys only, so the keys its step adds (a sibling branch, other
+// tokens of a tree) change nothing. The work is shared where the bits allow: 8 keys' dot products at once
+// against one query (8 independent chains, one reduction for the 8), a tile of queries over each group of
+// 8 keys, and each chunk of values kept in L1 while the tile's queries pass over it.
 struct Key {
   int64_t col;     // the key's column in the mask: its position in the row's keys
   int64_t index;   // its slot in the pool, or its index in the short runs' copies
@@ -144,15 +152,28 @@ std::vector<std::vector<Key>> key_lists(const at::Tensor& runs, const at::Tensor
   return keys;
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  return specmesh_cpu::hsum(acc);
+// lane j = the sum of v[j]'s 8 lanes, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), each lane alone
+inline __m256 reduce8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// lane j = q · k[j] for 8 keys (D = 8·V; V = 0: any D)
+template <int V>
+inline __m256 dots8(const float* q, const float* const k[8], int64_t D) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  const int64_t lanes = V > 0 ? V : D / 8;
+  for (int64_t v = 0; v < lanes; ++v) {
+    const __m256 qv = _mm256_loadu_ps(q + 8 * v);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + 8 * v), acc[j]);
+  }
+  return reduce8(acc);
 }
 
 // exp(x) in 8 lanes for x ≤ 0 (a score less its query's maximum), each lane alone (Cephes' expf: 2^n · e^r,
-// |r| ≤ ln 2 / 2, a degree-6 polynomial; relative error ~1e-7); below −87, 2^−126-ish, not 0: the caller zeroes
-// the keys a query does not see.
+// |r| ≤ ln 2 / 2, a degree-6 polynomial; relative error ~1e-7); below −87, 2^−126-ish, not 0.
 inline __m256 exp_nonpositive(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -169,28 +190,114 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// acc [D] += Σ_k p_k · v_k over the keys in order (D = 8·V lanes in registers; V = 0: any D, through memory)
+// acc [D] += Σ p_k · v_k over keys[from, to) of a query's visible keys, in order (D = 8·V lanes in registers;
+// V = 0: any D, through memory)
 template <int V>
-inline void weighted_values(const std::vector<Key>& ks, const float* p, const float* pool_v, const float* copy_v,
+inline void weighted_values(const int32_t* keys, const float* p, int64_t from, int64_t to, const float* const* value,
                             int64_t D, float* acc) {
   if constexpr (V == 0) {
-    for (size_t k = 0; k < ks.size(); ++k) {
-      if (p[k] == 0.0f) continue;
-      const float* value = ks[k].copied ? copy_v + ks[k].index * D : pool_v + ks[k].index * D;
+    for (int64_t k = from; k < to; ++k) {
+      const float* v = value[keys[k]];
       const __m256 pv = _mm256_set1_ps(p[k]);
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(value + d), _mm256_loadu_ps(acc + d)));
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
     }
   } else {
     __m256 a[V];
-    for (int v = 0; v < V; ++v) a[v] = _mm256_setzero_ps();
-    for (size_t k = 0; k < ks.size(); ++k) {
-      if (p[k] == 0.0f) continue;
-      const float* value = ks[k].copied ? copy_v + ks[k].index * D : pool_v + ks[k].index * D;
+    for (int v = 0; v < V; ++v) a[v] = _mm256_loadu_ps(acc + 8 * v);
+    for (int64_t k = from; k < to; ++k) {
+      const float* value_k = value[keys[k]];
       const __m256 pv = _mm256_set1_ps(p[k]);
-      for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(value + 8 * v), a[v]);
+      for (int v = 0; v < V; ++v) a[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(value_k + 8 * v), a[v]);
     }
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + 8 * v, a[v]);
+  }
+}
+
+constexpr int64_t kQueryTile = 8;   // queries over each group of 8 keys
+constexpr int64_t kValueChunk = 32;  // keys whose values stay in L1 while a tile's queries pass
+
+// One task: queries [j0, j1) of row i, key/value head h (see above).
+template <int V>
+void attend_tile(const float* qp, int64_t i, int64_t h, int64_t j0, int64_t j1, int64_t G, int64_t Q, int64_t D,
+                 const std::vector<Key>& ks, const float* pool_k, const float* pool_v, int64_t pool_stride,
+                 const float* copy_k, const float* copy_v, int64_t copy_stride, const float* mp, int64_t mask_row,
+                 int64_t mask_query, float scale, const float* zeros, float* op) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  // −∞, or any dtype's most negative value (transformers' masks hold finfo.min): a key the query does not see
+  constexpr float kUnseen = -1e30f;
+  const int64_t n = static_cast<int64_t>(ks.size()), groups = (n + 7) / 8, J = j1 - j0;
+  std::vector<const float*> kptr(8 * groups, zeros), vptr(n);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t at = ks[k].index * D;
+    kptr[k] = ks[k].copied ? copy_k + h * copy_stride + at : pool_k + h * pool_stride + at;
+    vptr[k] = ks[k].copied ? copy_v + h * copy_stride + at : pool_v + h * pool_stride + at;
+  }
+  // scores [J, 8·groups], −∞ where unseen
+  std::vector<float> score(J * 8 * groups);
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const float* const* k8 = kptr.data() + 8 * grp;
+    for (int64_t j = 0; j < J; ++j) {
+      const float* row_mask = mp + i * mask_row + (j0 + j) * mask_query;
+      alignas(32) float mk[8];
+      for (int64_t l = 0; l < 8; ++l) {
+        const int64_t k = 8 * grp + l;
+        mk[l] = k >= n ? kNone : ks[k].masked ? row_mask[ks[k].col] : 0.0f;
+        if (mk[l] < kUnseen) mk[l] = kNone;
+      }
+      const __m256 m8 = _mm256_load_ps(mk);
+      const __m256 s8 = _mm256_fmadd_ps(dots8<V>(qp + ((i * G + h) * Q + j0 + j) * D, k8, D), scale8, m8);
+      _mm256_storeu_ps(score.data() + (j * groups + grp) * 8, _mm256_blendv_ps(s8, m8, _mm256_cmp_ps(m8, _mm256_set1_ps(kNone), _CMP_EQ_OQ)));
+    }
+  }
+  // per query: its visible keys, p_k = exp(s_k − max s), Σ p (8 lanes over its visible keys)
+  std::vector<int32_t> seen(J * n);
+  std::vector<float> prob(J * (n + 8));
+  std::vector<int64_t> count(J), cursor(J, 0);
+  std::vector<float> total(J);
+  for (int64_t j = 0; j < J; ++j) {
+    const float* sj = score.data() + j * groups * 8;
+    int32_t* seen_j = seen.data() + j * n;
+    float* pj = prob.data() + j * (n + 8);
+    float top = kNone;
+    int64_t m = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      if (sj[k] == kNone) continue;
+      seen_j[m] = static_cast<int32_t>(k);
+      pj[m++] = sj[k];
+      top = std::max(top, sj[k]);
+    }
+    count[j] = m;
+    const __m256 top8 = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t k = 0; k < m; k += 8) {
+      const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(m - k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      const __m256 e = _mm256_and_ps(live, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(pj + k), top8)));
+      _mm256_storeu_ps(pj + k, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    total[j] = specmesh_cpu::hsum(sum);
+  }
+  // Σ p_k · v_k, a chunk of keys' values at a time for every query of the tile
+  std::vector<float> acc(J * D, 0.0f);
+  for (int64_t c0 = 0; c0 < n; c0 += kValueChunk) {
+    const int32_t stop = static_cast<int32_t>(std::min(n, c0 + kValueChunk));
+    for (int64_t j = 0; j < J; ++j) {
+      const int32_t* seen_j = seen.data() + j * n;
+      int64_t to = cursor[j];
+      while (to < count[j] && seen_j[to] < stop) ++to;
+      if (to > cursor[j])
+        weighted_values<V>(seen_j, prob.data() + j * (n + 8), cursor[j], to, vptr.data(), D, acc.data() + j * D);
+      cursor[j] = to;
+    }
+  }
+  for (int64_t j = 0; j < J; ++j) {
+    float* o = op + ((i * G + h) * Q + j0 + j) * D;
+    if (count[j] == 0) {  // a padding query sees nothing
+      std::fill(o, o + D, 0.0f);
+      continue;
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[j * D + d] / total[j];
   }
 }
 
@@ -209,53 +316,25 @@ void ordered_attention(const at::Tensor& q, const float* pool_k, const float* po
   const float* mp = m.data_ptr<float>();
   const int64_t mask_row = m.stride(0), mask_query = m.stride(2);
   float* op = out.data_ptr<float>();
-  const float scale = static_cast<float>(scaling);
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
-  // −∞, or any dtype's most negative value (transformers' masks hold finfo.min): a key the query does not see
-  constexpr float kUnseen = -1e30f;
-  at::parallel_for(0, B * G * Q, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> score, acc(D);
+  const std::vector<float> zeros(D, 0.0f);  // the key of a group's lanes past the row's last
+  // tiles small enough that every thread has work (the result does not depend on the tiling)
+  const int64_t threads = at::get_num_threads();
+  const int64_t tile = std::clamp<int64_t>((B * G * Q) / (4 * threads), 1, kQueryTile);
+  const int64_t tiles = (Q + tile - 1) / tile;
+  at::parallel_for(0, B * G * tiles, 1, [&](int64_t a, int64_t b) {
     for (int64_t task = a; task < b; ++task) {
-      const int64_t i = task / (G * Q), h = task / Q % G, j = task % Q;
-      const float* query = qp + task * D;
-      const float* row_mask = mp + i * mask_row + j * mask_query;
-      const std::vector<Key>& ks = keys[i];
-      const int64_t n = static_cast<int64_t>(ks.size()), padded8 = (n + 7) / 8 * 8;
-      score.assign(padded8, kNone);
-      // s_k = (q · k_k) · scaling + mask_k, −∞ where the query does not see k
-      float top = kNone;
-      for (int64_t k = 0; k < n; ++k) {
-        const float mk = ks[k].masked ? row_mask[ks[k].col] : 0.0f;
-        if (mk < kUnseen) continue;
-        const float* key = ks[k].copied ? copy_k + h * copy_stride + ks[k].index * D : pool_k + h * pool_stride + ks[k].index * D;
-        score[k] = dot(query, key, D) * scale + mk;
-        top = std::max(top, score[k]);
-      }
-      float* o = op + task * D;
-      if (top == kNone) {  // a padding query sees nothing
-        std::fill(o, o + D, 0.0f);
-        continue;
-      }
-      // p_k = exp(s_k − max s), 0 where unseen; Σ p in key order
-      const __m256 top8 = _mm256_set1_ps(top), none8 = _mm256_set1_ps(kNone);
-      for (int64_t k = 0; k < padded8; k += 8) {
-        const __m256 s8 = _mm256_loadu_ps(score.data() + k);
-        const __m256 seen = _mm256_cmp_ps(s8, none8, _CMP_NEQ_OQ);
-        _mm256_storeu_ps(score.data() + k, _mm256_and_ps(seen, exp_nonpositive(_mm256_sub_ps(s8, top8))));
-      }
-      float total = 0.0f;
-      for (int64_t k = 0; k < n; ++k) total += score[k];
-      const float* pv = pool_v + h * pool_stride;
-      const float* cv = copy_v != nullptr ? copy_v + h * copy_stride : nullptr;
+      const int64_t i = task / (G * tiles), h = task / tiles % G, j0 = task % tiles * tile, j1 = std::min(Q, j0 + tile);
+      auto run = [&](auto attend) {
+        attend(qp, i, h, j0, j1, G, Q, D, keys[i], pool_k, pool_v, pool_stride, copy_k, copy_v, copy_stride, mp, mask_row,
+               mask_query, static_cast<float>(scaling), zeros.data(), op);
+      };
       if (D == 64) {
-        weighted_values<8>(ks, score.data(), pv, cv, D, acc.data());
+        run(attend_tile<8>);
       } else if (D == 128) {
-        weighted_values<16>(ks, score.data(), pv, cv, D, acc.data());
+        run(attend_tile<16>);
       } else {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        weighted_values<0>(ks, score.data(), pv, cv, D, acc.data());
+        run(attend_tile<0>);
       }
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / total;
     }
   });
 }

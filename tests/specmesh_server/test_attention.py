@@ -69,14 +69,15 @@ def _kernel() -> bool:
     return gemv_supported()  # loads the CPU library, ordered_attention's
 
 
+@pytest.mark.parametrize("dim", [16, 64, 128])  # any multiple of 8; the two held in registers
 @pytest.mark.parametrize("b,heads,kv_heads,n", [(1, 9, 3, 1), (3, 9, 3, 5), (4, 8, 2, 17)])
-def test_attention_in_key_order_matches_sdpa_over_gathered_keys(b, heads, kv_heads, n):
+def test_attention_in_key_order_matches_sdpa_over_gathered_keys(b, heads, kv_heads, n, dim):
     """GGUF models' attention (each query over the keys it sees, in column order), over gathered keys with
     transformers' finfo.min tree masks, and with no mask (causal), against SDPA."""
     if not _kernel():
         pytest.skip("no CPU kernel library here")
     torch.manual_seed(2)
-    prefix, dim = 11, 16
+    prefix = 11
     key, value = (torch.randn(b, kv_heads, prefix + n, dim) for _ in range(2))
     query = torch.randn(b, heads, n, dim)
     layer = _Layer(heads // kv_heads)
@@ -126,3 +127,57 @@ def test_attention_over_blocks_in_place_equals_the_rows_gathered(heads, kv_heads
         ).transpose(1, 2)  # [1, n, H, D]
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got[i : i + 1].float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dim", [24, 64, 128])
+def test_in_key_order_a_querys_output_is_the_same_bits_whatever_its_step_holds(dim):
+    """A tree node's queries (3 heads a key/value head) see the prefix and their ancestors: in a step of the whole
+    tree (a sibling branch's keys masked), in a step of three such rows (other tilings of the work), and alone
+    over the same keys where they lie elsewhere (the prefix in place, the ancestors copied) they give the same
+    bits."""
+    if not _kernel():
+        pytest.skip("no CPU kernel library here")
+    from specmesh_kernels import cpu_linear
+
+    torch.manual_seed(3)
+    kv_heads, g, prefix = 2, 3, 37
+    parents = [-1, 0, 0, 1, 2]  # node 3's ancestors: 0, 1; node 2 is a sibling of 1
+    n = len(parents)
+    pool_k, pool_v = (torch.randn(kv_heads, 200, dim) for _ in range(2))
+    for pool in (pool_k, pool_v):
+        pool[:, 100:137] = pool[:, 0:prefix]  # the prefix again, elsewhere
+    seen = torch.zeros(n, n, dtype=torch.bool)
+    for t, parent in enumerate(parents):
+        seen[t, t] = True
+        if parent >= 0:
+            seen[t] |= seen[parent]
+    tree_mask = torch.zeros(n, prefix + n).masked_fill_(
+        torch.cat([torch.zeros(n, prefix, dtype=torch.bool), ~seen], 1), torch.finfo(torch.float32).min
+    )
+    none = torch.empty(0, dtype=torch.long)
+
+    def tree_step(rows: int) -> torch.Tensor:
+        q = torch.randn(rows, kv_heads, g * n, dim)
+        q[0] = queries
+        runs = torch.tensor([[i, 0, 0, prefix, 0] for i in range(rows)] + [[i, prefix, prefix, prefix + n, 1] for i in range(rows)])
+        runs = runs[runs[:, 0].argsort(stable=True)]
+        mask = tree_mask.repeat(g, 1)[None, None].expand(rows, 1, g * n, prefix + n).contiguous()
+        empty = torch.empty(0)
+        gathered = torch.zeros(rows, 2, dtype=torch.long)
+        return cpu_linear.ordered_attention(q, pool_k, pool_v, empty, empty, runs, gathered, [none] * rows, mask, 0.3)[:1]
+
+    queries = torch.randn(kv_heads, g * n, dim)
+    one, three = tree_step(1), tree_step(3)
+    assert torch.equal(one, three)
+    node = 3
+    chain = [0, 1, 3]  # its ancestors and itself, copied as a short run is
+    copies_k, copies_v = (pool[:, prefix + torch.tensor(chain)] for pool in (pool_k, pool_v))
+    runs = torch.tensor([[0, 100, 0, prefix, 0]])
+    gathered = torch.tensor([[0, 0]])
+    positions = [torch.arange(prefix, prefix + len(chain))]
+    picks = [h * n + node for h in range(g)]
+    alone = cpu_linear.ordered_attention(
+        queries[None, :, picks], pool_k, pool_v, copies_k, copies_v, runs, gathered, positions,
+        torch.zeros(1, 1, 1, prefix + len(chain)), 0.3,
+    )  # fmt: skip
+    assert torch.equal(alone, one[:, :, picks])
