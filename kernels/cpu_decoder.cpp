@@ -232,41 +232,84 @@ void attend_tile(const float* qp, int64_t i, int64_t h, int64_t j0, int64_t j1, 
     kptr[k] = ks[k].copied ? copy_k + h * copy_stride + at : pool_k + h * pool_stride + at;
     vptr[k] = ks[k].copied ? copy_v + h * copy_stride + at : pool_v + h * pool_stride + at;
   }
+  // each group of 8 keys: all seen by every query (unmasked, none past the row's last: its mask is 0), all
+  // masked at 8 consecutive columns (a vector of the mask's row), or otherwise key by key
+  enum Kind : uint8_t { kOpen, kRun, kMixed };
+  std::vector<uint8_t> kind(groups);
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const int64_t k0 = 8 * grp;
+    bool open = k0 + 8 <= n, run = k0 + 8 <= n;
+    for (int64_t l = 0; l < 8 && (open || run); ++l) {
+      open = open && !ks[k0 + l].masked;
+      run = run && ks[k0 + l].masked && ks[k0 + l].col == ks[k0].col + l;
+    }
+    kind[grp] = open ? kOpen : run ? kRun : kMixed;
+  }
   // scores [J, 8·groups], −∞ where unseen
   std::vector<float> score(J * 8 * groups);
-  const __m256 scale8 = _mm256_set1_ps(scale);
+  const __m256 scale8 = _mm256_set1_ps(scale), none8 = _mm256_set1_ps(kNone), unseen8 = _mm256_set1_ps(kUnseen);
   for (int64_t grp = 0; grp < groups; ++grp) {
     const float* const* k8 = kptr.data() + 8 * grp;
     for (int64_t j = 0; j < J; ++j) {
       const float* row_mask = mp + i * mask_row + (j0 + j) * mask_query;
-      alignas(32) float mk[8];
-      for (int64_t l = 0; l < 8; ++l) {
-        const int64_t k = 8 * grp + l;
-        mk[l] = k >= n ? kNone : ks[k].masked ? row_mask[ks[k].col] : 0.0f;
-        if (mk[l] < kUnseen) mk[l] = kNone;
+      __m256 m8;  // the 8 keys' mask values, −∞ where unseen
+      if (kind[grp] == kOpen) {
+        m8 = _mm256_setzero_ps();
+      } else {
+        if (kind[grp] == kRun) {
+          m8 = _mm256_loadu_ps(row_mask + ks[8 * grp].col);
+        } else {
+          float mk[8];
+          for (int64_t l = 0; l < 8; ++l) {
+            const int64_t k = 8 * grp + l;
+            mk[l] = k >= n ? kNone : ks[k].masked ? row_mask[ks[k].col] : 0.0f;
+          }
+          m8 = _mm256_setr_ps(mk[0], mk[1], mk[2], mk[3], mk[4], mk[5], mk[6], mk[7]);
+        }
+        m8 = _mm256_blendv_ps(m8, none8, _mm256_cmp_ps(m8, unseen8, _CMP_LT_OQ));
       }
-      const __m256 m8 = _mm256_load_ps(mk);
+      float* out8 = score.data() + (j * groups + grp) * 8;
+      const __m256 hidden = _mm256_cmp_ps(m8, none8, _CMP_EQ_OQ);
+      if (_mm256_movemask_ps(hidden) == 0xFF) {  // none of the 8 seen (a causal prefill's later keys): no products
+        _mm256_storeu_ps(out8, none8);
+        continue;
+      }
       const __m256 s8 = _mm256_fmadd_ps(dots8<V>(qp + ((i * G + h) * Q + j0 + j) * D, k8, D), scale8, m8);
-      _mm256_storeu_ps(score.data() + (j * groups + grp) * 8, _mm256_blendv_ps(s8, m8, _mm256_cmp_ps(m8, _mm256_set1_ps(kNone), _CMP_EQ_OQ)));
+      _mm256_storeu_ps(out8, _mm256_blendv_ps(s8, none8, hidden));
     }
   }
   // per query: its visible keys, p_k = exp(s_k − max s), Σ p (8 lanes over its visible keys)
-  std::vector<int32_t> seen(J * n);
+  std::vector<int32_t> seen(J * n + 8);
   std::vector<float> prob(J * (n + 8));
   std::vector<int64_t> count(J), cursor(J, 0);
   std::vector<float> total(J);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t j = 0; j < J; ++j) {
     const float* sj = score.data() + j * groups * 8;
     int32_t* seen_j = seen.data() + j * n;
     float* pj = prob.data() + j * (n + 8);
-    float top = kNone;
+    __m256 max8 = none8;
     int64_t m = 0;
-    for (int64_t k = 0; k < n; ++k) {
-      if (sj[k] == kNone) continue;
-      seen_j[m] = static_cast<int32_t>(k);
-      pj[m++] = sj[k];
-      top = std::max(top, sj[k]);
+    for (int64_t k0 = 0; k0 < n; k0 += 8) {  // 8 keys at a time: all seen, none, or key by key
+      const __m256 s8 = _mm256_loadu_ps(sj + k0);
+      const int hidden = _mm256_movemask_ps(_mm256_cmp_ps(s8, none8, _CMP_EQ_OQ));
+      if (hidden == 0xFF) continue;
+      max8 = _mm256_max_ps(max8, s8);
+      if (hidden == 0 && k0 + 8 <= n) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(seen_j + m), _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(k0)), lane));
+        _mm256_storeu_ps(pj + m, s8);
+        m += 8;
+        continue;
+      }
+      for (int64_t k = k0; k < std::min(n, k0 + 8); ++k) {
+        if (sj[k] == kNone) continue;
+        seen_j[m] = static_cast<int32_t>(k);
+        pj[m++] = sj[k];
+      }
     }
+    float top_lanes[8];
+    _mm256_storeu_ps(top_lanes, max8);
+    const float top = *std::max_element(top_lanes, top_lanes + 8);
     count[j] = m;
     const __m256 top8 = _mm256_set1_ps(top);
     __m256 sum = _mm256_setzero_ps();
