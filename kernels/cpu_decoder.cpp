@@ -5,7 +5,7 @@
 //
 // Per layer l (x [b, n, hidden], or a packed step's [1, N, hidden]; T = b·n tokens; H heads, G key/value
 // heads of D, g = H / G):
-//   h = rms_norm(x)                                    aten::rms_norm
+//   h = rms_norm(x)                                    aten::rms_norm's bits (rms_norm below)
 //   [q; k; v] = h · Wqkvᵀ                              the fused weight, cpu_linear (float32 or GGUF blocks);
 //                                                      or three products, oneDNN's (a step of more rows)
 //   q, k = x·cos + rotate_half(x)·sin                  in place, each product and the sum rounded apart
@@ -55,6 +55,37 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
   // named as the operators are, so that a profile counts the products apart from the loop around them
   RECORD_FUNCTION(kind == kFloat32 ? "specmesh_cpu::linear" : "specmesh_cpu::linear_gguf", std::vector<c10::IValue>());
   return kind == kFloat32 ? specmesh_cpu::linear(x, w, c10::nullopt) : specmesh_cpu::linear_gguf(x, w, kind);
+}
+
+// aten::rms_norm as torch computes it on a CPU (its composite: rsqrt(mean(x²) + eps) · x · w), the same bits,
+// with torch's own reduction for the mean (so its summation order) and the rest in two passes instead of
+// seven operators: x² and x · r · w each rounded as aten's mul rounds them, r = 1 / sqrt(mean + eps) as
+// aten's rsqrt computes it (a square root and a division, each correctly rounded).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor xc = x.contiguous(), w = weight.contiguous();
+  const int64_t H = xc.size(-1), T = xc.numel() / H;
+  at::Tensor sq = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* sp = sq.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0 * H; i < t1 * H; ++i) sp[i] = xp[i] * xp[i];
+  });
+  const at::Tensor mean = at::mean(sq, {-1}, true);  // [..., 1]
+  const float* mp = mean.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::Tensor y = at::empty_like(xc);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float r = 1.0f / std::sqrt(mp[t] + e);
+      for (int64_t h = 0; h < H; ++h) {
+        const float v = xp[t * H + h] * r;
+        yp[t * H + h] = v * wp[h];
+      }
+    }
+  });
+  return y;
 }
 
 // qkv [T, (H + 2G)·D]: the first (H + G) heads of each token rotated in place by its cos, sin [T, D].
@@ -436,14 +467,13 @@ at::Tensor decode_layers(
     gk = at::empty({G, copied, block_size * D}, keys.options());
     gv = at::empty({G, copied, block_size * D}, keys.options());
   }
-  const std::vector<int64_t> shape{hidden};
   // attention in key order (ordered_attention): each row's keys, sorted by column, once for every layer
   const std::vector<std::vector<Key>> row_keys =
       ordered ? key_lists(runs, gathered, gathered_positions, B) : std::vector<std::vector<Key>>();
   for (int64_t l = 0; l < L; ++l) {
     const at::TensorList p = products.slice(per * l, per);
     const at::IntArrayRef k = kinds.slice(per * l, per);
-    at::Tensor h = at::rms_norm(x, shape, norms[2 * l], eps);
+    at::Tensor h = rms_norm(x, norms[2 * l], eps);
     at::Tensor fused = per == 4 ? product(h, p[0], k[0])
                                 : at::cat({product(h, p[0], k[0]), product(h, p[1], k[1]), product(h, p[2], k[2])},
                                           -1);  // [b, n, (H + 2G)·D]
@@ -509,7 +539,7 @@ at::Tensor decode_layers(
     attn = (packed ? attn.view({B * w, H, D}).index_select(0, slot_of) : attn).view({b, n, H * D});
     const int64_t o = per == 4 ? 1 : 3;
     x = x + product(attn, p[o], k[o]);
-    h = at::rms_norm(x, shape, norms[2 * l + 1], eps);
+    h = rms_norm(x, norms[2 * l + 1], eps);
     at::Tensor gate, up;  // [b, n, I] each
     if (per == 4) {
       const auto halves = product(h, p[2], k[2]).chunk(2, -1);  // [g; u] = h · Wguᵀ
