@@ -155,16 +155,17 @@ def test_in_key_order_a_querys_output_is_the_same_bits_whatever_its_step_holds(d
         torch.cat([torch.zeros(n, prefix, dtype=torch.bool), ~seen], 1), torch.finfo(torch.float32).min
     )
     none = torch.empty(0, dtype=torch.long)
+    parts = [(0, prefix), (prefix, prefix + n)]  # the prefix seen by all, the tree under its mask
 
     def tree_step(rows: int) -> torch.Tensor:
         q = torch.randn(rows, kv_heads, g * n, dim)
         q[0] = queries
-        runs = torch.tensor([[i, 0, 0, prefix, 0] for i in range(rows)] + [[i, prefix, prefix, prefix + n, 1] for i in range(rows)])
-        runs = runs[runs[:, 0].argsort(stable=True)]
+        runs = torch.tensor([[i, start, start, stop, start > 0] for i in range(rows) for start, stop in parts])
         mask = tree_mask.repeat(g, 1)[None, None].expand(rows, 1, g * n, prefix + n).contiguous()
         empty = torch.empty(0)
         gathered = torch.zeros(rows, 2, dtype=torch.long)
-        return cpu_linear.ordered_attention(q, pool_k, pool_v, empty, empty, runs, gathered, [none] * rows, mask, 0.3)[:1]
+        out = cpu_linear.ordered_attention(q, pool_k, pool_v, empty, empty, runs, gathered, [none] * rows, mask, 0.3)
+        return out[:1]
 
     queries = torch.randn(kv_heads, g * n, dim)
     one, three = tree_step(1), tree_step(3)
