@@ -163,24 +163,42 @@ struct Key {
   bool masked;     // whether the mask applies (a run wholly below the row's shared part is seen by all)
 };
 
+// A group of 8 of a row's keys: all seen by every query (unmasked, none past the row's last: its mask is 0),
+// all masked at 8 consecutive columns (a vector of the mask's row), or otherwise key by key.
+enum GroupKind : uint8_t { kOpen, kRun, kMixed };
+
+struct RowKeys {
+  std::vector<Key> keys;        // sorted by column
+  std::vector<uint8_t> groups;  // GroupKind of keys 8g … 8g + 7
+};
+
 // Each row's keys, sorted by column: its runs' (row, slot, start, stop, masked) in the pool, then its copied
-// run's positions (gathered[i] = its first index in the copies, masked).
-std::vector<std::vector<Key>> key_lists(const at::Tensor& runs, const at::Tensor& gathered, at::TensorList positions, int64_t B) {
+// run's positions (gathered[i] = its first index in the copies, masked); and their groups' kinds. Once a step.
+std::vector<RowKeys> key_lists(const at::Tensor& runs, const at::Tensor& gathered, at::TensorList positions, int64_t B) {
   TORCH_CHECK(runs.dim() == 2 && runs.size(1) == 5 && gathered.size(0) == B && static_cast<int64_t>(positions.size()) == B,
               "ordered attention: every row's runs, copied run and positions");
   const auto run = runs.accessor<int64_t, 2>();
   const auto gath = gathered.accessor<int64_t, 2>();
-  std::vector<std::vector<Key>> keys(B);
+  std::vector<RowKeys> rows(B);
   for (int64_t r = 0, i = 0; i < B; ++i) {
-    std::vector<Key>& ks = keys[i];
+    std::vector<Key>& ks = rows[i].keys;
     for (; r < runs.size(0) && run[r][0] == i; ++r)
       for (int64_t c = run[r][2]; c < run[r][3]; ++c) ks.push_back({c, run[r][1] + c - run[r][2], false, run[r][4] != 0});
     const at::Tensor cols = positions[i].contiguous();
     const int64_t* cp = cols.data_ptr<int64_t>();
     for (int64_t c = 0; c < cols.numel(); ++c) ks.push_back({cp[c], gath[i][0] + c, true, gath[i][1] != 0});
     std::stable_sort(ks.begin(), ks.end(), [](const Key& a, const Key& b) { return a.col < b.col; });
+    const int64_t n = static_cast<int64_t>(ks.size());
+    for (int64_t k0 = 0; k0 < n; k0 += 8) {
+      bool open = k0 + 8 <= n, masked_run = k0 + 8 <= n;
+      for (int64_t l = 0; l < 8 && (open || masked_run); ++l) {
+        open = open && !ks[k0 + l].masked;
+        masked_run = masked_run && ks[k0 + l].masked && ks[k0 + l].col == ks[k0].col + l;
+      }
+      rows[i].groups.push_back(open ? kOpen : masked_run ? kRun : kMixed);
+    }
   }
-  return keys;
+  return rows;
 }
 
 // lane j = the sum of v[j]'s 8 lanes, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), each lane alone
@@ -250,12 +268,13 @@ constexpr int64_t kValueChunk = 32;  // keys whose values stay in L1 while a til
 // One task: queries [j0, j1) of row i, key/value head h (see above).
 template <int V>
 void attend_tile(const float* qp, int64_t i, int64_t h, int64_t j0, int64_t j1, int64_t G, int64_t Q, int64_t D,
-                 const std::vector<Key>& ks, const float* pool_k, const float* pool_v, int64_t pool_stride,
+                 const RowKeys& row, const float* pool_k, const float* pool_v, int64_t pool_stride,
                  const float* copy_k, const float* copy_v, int64_t copy_stride, const float* mp, int64_t mask_row,
                  int64_t mask_query, float scale, const float* zeros, float* op) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   // −∞, or any dtype's most negative value (transformers' masks hold finfo.min): a key the query does not see
   constexpr float kUnseen = -1e30f;
+  const std::vector<Key>& ks = row.keys;
   const int64_t n = static_cast<int64_t>(ks.size()), groups = (n + 7) / 8, J = j1 - j0;
   std::vector<const float*> kptr(8 * groups, zeros), vptr(n);
   for (int64_t k = 0; k < n; ++k) {
@@ -263,19 +282,7 @@ void attend_tile(const float* qp, int64_t i, int64_t h, int64_t j0, int64_t j1, 
     kptr[k] = ks[k].copied ? copy_k + h * copy_stride + at : pool_k + h * pool_stride + at;
     vptr[k] = ks[k].copied ? copy_v + h * copy_stride + at : pool_v + h * pool_stride + at;
   }
-  // each group of 8 keys: all seen by every query (unmasked, none past the row's last: its mask is 0), all
-  // masked at 8 consecutive columns (a vector of the mask's row), or otherwise key by key
-  enum Kind : uint8_t { kOpen, kRun, kMixed };
-  std::vector<uint8_t> kind(groups);
-  for (int64_t grp = 0; grp < groups; ++grp) {
-    const int64_t k0 = 8 * grp;
-    bool open = k0 + 8 <= n, run = k0 + 8 <= n;
-    for (int64_t l = 0; l < 8 && (open || run); ++l) {
-      open = open && !ks[k0 + l].masked;
-      run = run && ks[k0 + l].masked && ks[k0 + l].col == ks[k0].col + l;
-    }
-    kind[grp] = open ? kOpen : run ? kRun : kMixed;
-  }
+  const std::vector<uint8_t>& kind = row.groups;
   // scores [J, 8·groups], −∞ where unseen
   std::vector<float> score(J * 8 * groups);
   const __m256 scale8 = _mm256_set1_ps(scale), none8 = _mm256_set1_ps(kNone), unseen8 = _mm256_set1_ps(kUnseen);
@@ -379,7 +386,7 @@ void attend_tile(const float* qp, int64_t i, int64_t h, int64_t j0, int64_t j1, 
 // [G, slots, D] and the copies' [G, copies, D] (heads at their strides).
 void ordered_attention(const at::Tensor& q, const float* pool_k, const float* pool_v, int64_t pool_stride,
                        const float* copy_k, const float* copy_v, int64_t copy_stride,
-                       const std::vector<std::vector<Key>>& keys, const at::Tensor& mask, double scaling, at::Tensor& out) {
+                       const std::vector<RowKeys>& keys, const at::Tensor& mask, double scaling, at::Tensor& out) {
   const int64_t B = q.size(0), G = q.size(1), Q = q.size(2), D = q.size(3);
   TORCH_CHECK(D % 8 == 0, "decode_layers: GGUF steps need a head size that is a multiple of 8");
   RECORD_FUNCTION("specmesh_cpu::ordered_attention", std::vector<c10::IValue>());  // a profile counts it as attention
@@ -468,8 +475,7 @@ at::Tensor decode_layers(
     gv = at::empty({G, copied, block_size * D}, keys.options());
   }
   // attention in key order (ordered_attention): each row's keys, sorted by column, once for every layer
-  const std::vector<std::vector<Key>> row_keys =
-      ordered ? key_lists(runs, gathered, gathered_positions, B) : std::vector<std::vector<Key>>();
+  const std::vector<RowKeys> row_keys = ordered ? key_lists(runs, gathered, gathered_positions, B) : std::vector<RowKeys>();
   for (int64_t l = 0; l < L; ++l) {
     const at::TensorList p = products.slice(per * l, per);
     const at::IntArrayRef k = kinds.slice(per * l, per);

@@ -176,7 +176,9 @@ def _to_gguf(model) -> None:
     from gguf import GGMLQuantizationType, quantize
 
     from specmesh_server.gguf_weights import GGUFLinear
+    from specmesh_server.packed_linear import gemv_supported
 
+    assert gemv_supported()  # the kernel library, whichever test of the shuffled order comes first
     swaps = [(p, n, c) for p in model.modules() for n, c in p.named_children() if isinstance(c, torch.nn.Linear)]
     for parent, name, linear in swaps:
         kind = GGMLQuantizationType.Q8_0 if name == "lm_head" else GGMLQuantizationType.Q4_1
