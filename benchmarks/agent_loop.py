@@ -170,6 +170,10 @@ def run_mode(base_url: str, model: str, mode: str, agents: int, max_tokens: int)
     return [{**r, "agents": agents} for rs in results for r in rs]
 
 
+def _after_first(record: dict) -> float:
+    return record["seconds"] - record["ttft_s"]
+
+
 def summarize(records: list[dict], agents_list: list[int], modes: list[str]) -> tuple[str, dict]:
     from specmesh_bench.report import bootstrap_interval
 
@@ -179,9 +183,9 @@ def summarize(records: list[dict], agents_list: list[int], modes: list[str]) -> 
         plain = {(r["agent"], r["turn"]): r for r in rs if r["mode"] == "plain"}
         lines += [f"\n### {agents} concurrent agent{'s' if agents > 1 else ''}\n",
                   "| mode | turns | output tok/s per agent | end-to-end vs plain (paired per turn, 95 % interval) | "
-                  "agent wall time vs plain | median TTFT | cached share of prompts | tool calls valid | "
-                  "same answers as plain |",
-                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "agent wall time vs plain | after the first token vs plain | median TTFT | "
+                  "time before the first token | cached share of prompts | tool calls valid | same answers as plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for mode in modes:
             mine = [r for r in rs if r["mode"] == mode]
             if not mine:
@@ -197,15 +201,28 @@ def summarize(records: list[dict], agents_list: list[int], modes: list[str]) -> 
             same = sum(r["answer"] == plain[(r["agent"], r["turn"])]["answer"] for r in mine)
             cached = sum(r["cached_tokens"] for r in mine) / max(sum(r["input_tokens"] for r in mine), 1)
             med_ratio = statistics.median(ratios)
+            # the turns' time after their first token (what a proposer can shorten), summed, plain's over this mode's
+            after = sum(_after_first(plain[(r["agent"], r["turn"])]) for r in mine) / sum(map(_after_first, mine))
+            before = sum(r["ttft_s"] for r in mine) / sum(r["seconds"] for r in mine)
             lines.append(
                 f"| {mode} | {len(mine)} | {tok_s:.1f} | {med_ratio:.2f}x ({iv.low:.2f}–{iv.high:.2f}) | "
-                f"{statistics.median(walls):.2f}x | {statistics.median(r['ttft_s'] for r in mine) * 1e3:.0f} ms | "
+                f"{statistics.median(walls):.2f}x | {after:.2f}x | "
+                f"{statistics.median(r['ttft_s'] for r in mine) * 1e3:.0f} ms | {before:.0%} | "
                 f"{cached:.0%} | {sum(r['valid'] for r in mine)}/{len(mine)} | {same}/{len(mine)} |"
             )
             summary[f"{agents}/{mode}"] = {
                 "tokens_per_s": tok_s, "ratio_median": med_ratio, "interval": [iv.low, iv.high],
-                "wall_ratio": statistics.median(walls), "cached_share": cached, "same": same, "turns": len(mine),
+                "wall_ratio": statistics.median(walls), "after_first_ratio": after, "before_first_share": before,
+                "cached_share": cached, "same": same, "turns": len(mine),
             }  # fmt: skip
+        if plain:
+            share = sum(r["ttft_s"] for r in plain.values()) / sum(r["seconds"] for r in plain.values())
+            lines.append(
+                f"\nPlain spends {share:.0%} of its turn time before the first token (prefill of each turn's new "
+                f"input, and the first token), which no proposer shortens: were every later token free, a mode "
+                f"would be {1 / share:.2f}x plain end to end over these turns."
+            )
+            summary[f"{agents}/end_to_end_bound"] = 1 / share
         colds = [r for r in rs if r["mode"] == "plain" and "cold_ttft_s" in r]
         if colds:
             lines += ["\nPlain, TTFT per turn with the earlier turns' prefix cached vs the same context cold "
@@ -227,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="max_output_tokens per turn (default: %(default)s)")
     ap.add_argument("--target", default="", help="a running gateway's /v1 URL; default: start a local deployment")
     ap.add_argument("--out", type=Path, default=Path("bench-results/agents"))
+    ap.add_argument(
+        "--verifier-arg",
+        action="append",
+        default=[],
+        help="extra flag for the local verifier, e.g. --verifier-arg=--weights=gguf (repeatable)",
+    )
     a = ap.parse_args(argv)
     agents_list = [int(x) for x in a.agents.split(",")]
     modes = a.modes.split(",")
@@ -242,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = DeploymentConfig(
                 verifier_address=f"127.0.0.1:{free_port()}", ngram_address=f"127.0.0.1:{free_port()}",
                 suffix_address=f"127.0.0.1:{free_port()}", gateway_address=f"127.0.0.1:{free_port()}",
-                run_dir=run_dir, max_running=16,
+                run_dir=run_dir, max_running=16, extra_verifier_args=tuple(a.verifier_arg),
             )  # fmt: skip
             dep = stack.enter_context(LocalDeployment(cfg))
             base = dep.gateway_url

@@ -34,6 +34,9 @@ from specmesh_bench.report import bootstrap_interval
 CASES = {
     "plain, batch 1": (1, 0),
     "plain, batch 8": (8, 0),
+    "1 row × 3 tokens": (1, 2),
+    "1 row × 5 tokens": (1, 4),
+    "8 rows × 3 tokens": (8, 2),
     "1 row × 17 tokens": (1, 16),
     "8 rows × 17 tokens": (8, 16),
 }

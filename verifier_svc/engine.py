@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specmesh_server import loop_posts
 from specmesh_server.kv_blocks import BlockManager
 from specmesh_server.model_runner import ModelRunner
 from specmesh_server.paged_kv import PagedKVCache
@@ -176,8 +177,9 @@ class Engine:
                 self._fail_all(self.failed)
             if not (self._running or self._waiting):
                 continue
-            try:
-                self._step()
+            try:  # a step's stream events and proposer advances wake the event loop once (``loop_posts``)
+                with loop_posts.batched():
+                    self._step()
             except RankFailure as exc:  # the model is gone: nothing can be served any more
                 self.fail(str(exc))
             except Exception as exc:  # a failed forward must not take the server down
@@ -229,6 +231,7 @@ class Engine:
                 log.exception("prefill failed; failing its %d request(s)", len(joining))
                 for seq in joining:
                     self._finish_error(seq, f"prefill failed: {exc}")
+            loop_posts.flush()  # first tokens out before the decode forward
         self._retire()
         self._rearrange(self._running)  # requests whose prefill just ended move up with the decoding ones
         ready = [s for s in self._running if s.prefilled]

@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import Message
 
 from specmesh.v1 import generation_pb2, generation_pb2_grpc, params_pb2
+from specmesh_server import loop_posts
 from verifier_svc.events import EngineFull, EngineStopped, ErrorEvent, Event, FinishEvent, NeverFits
 from verifier_svc.grammar import CompilePool, GrammarCompiler, RequestGrammar
 from verifier_svc.logprobs import TokenLogprob
@@ -120,9 +121,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
-            key = self.engine.submit(
-                req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), speculation, grammar
-            )
+            key = self.engine.submit(req, lambda ev: loop_posts.post(loop, events.put_nowait, ev), speculation, grammar)
         except (EngineFull, NeverFits, EngineStopped) as exc:
             self.speculation.abandon(speculation)
             if self.metrics is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from specmesh.v1 import proposer_pb2
+from specmesh_server import loop_posts
 from specmesh_server.log_limit import RateLimitedLog
 from specmesh_server.metrics import VerifierMetrics
 from verifier_svc.requests import GenerationRequest
@@ -56,7 +57,7 @@ class OutputLearning:
         if not output:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: the server is shutting down
-            self.loop.call_soon_threadsafe(self._send_all, req, output, frozenset(followed))
+            loop_posts.post(self.loop, self._send_all, req, output, frozenset(followed))
 
     def _send_all(self, req: GenerationRequest, output: list[int], followed: frozenset[str]) -> None:
         targets = [name for name in self.tiers.stubs if name not in followed and name not in self.not_learning]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specmesh.v1 import proposer_pb2, proposer_pb2_grpc
+from specmesh_server import loop_posts
 from specmesh_server.log_limit import RateLimitedLog
 from specmesh_server.tree import InvalidTree, TokenTree, rebase, validate_tree
 
@@ -150,7 +151,7 @@ class GrpcProposerSession:
     def advance(self, tokens: list[int], hidden: proposer_pb2.HiddenStates | None = None) -> None:
         advance = proposer_pb2.ProposeAdvance(accepted_token_ids=tokens, hidden_states=hidden)
         msg = proposer_pb2.ProposeRequest(advance=advance)
-        self.loop.call_soon_threadsafe(self._outbox.put_nowait, msg)
+        loop_posts.post(self.loop, self._outbox.put_nowait, msg)
 
     def fail(self, reason: str) -> None:
         if self.failed is None:
@@ -164,7 +165,7 @@ class GrpcProposerSession:
         if self._ended:
             return
         self._ended = True
-        self.loop.call_soon_threadsafe(self._end)
+        loop_posts.post(self.loop, self._end)
 
     def _end(self) -> None:
         self._outbox.put_nowait(proposer_pb2.ProposeRequest(end=proposer_pb2.ProposeEnd()))

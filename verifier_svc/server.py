@@ -134,6 +134,8 @@ async def run(config: VerifierConfig, where: Placement | None = None, spawned: l
     server = new_server(auth)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
     dtype = str(lm.dtype).removeprefix("torch.")
+    if config.weights == "gguf":  # what a client's ServerInfo (and bench's machine line) says runs
+        dtype += " with GGUF blocks"
     admin = AdminServicer(engine, policy, lm.name, str(lm.device), dtype, stats)
     services = [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name]
     admin_server = None
