@@ -42,6 +42,10 @@ class Row:
     vs_hf_pld: float | None = None
     efficiency: float | None = None  # speedup / oracle speedup
     ttft_ms: float | None = None
+    # Concurrency 1: the speed-up vs plain after each request's first token (what a proposer can
+    # shorten; paired, median), and the share of the requests' time before it (prefill: no proposer's)
+    after_first_speedup: float | None = None
+    before_first_share: float | None = None
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None
     mean_accepted_length: float | None = None  # tokens emitted per verification step
@@ -153,6 +157,34 @@ def _throughput(rs: list[dict]) -> dict[tuple, float]:
     return out
 
 
+def _after_first(rs: list[dict]) -> dict[tuple, float]:
+    """Tokens/s after the first token, per request at concurrency 1 (none beyond: a wave's requests
+    overlap); requests of one token are left out.
+
+    >>> _after_first([{"concurrency": 1, "prompt_index": 0, "completion_tokens": 11, "wall_s": 1.5, "ttft_ms": 500.0}])
+    {(0,): 10.0}
+    """
+    out: dict[tuple, float] = {}
+    for r in rs:
+        if r["concurrency"] != 1 or "wall_s" not in r or "ttft_ms" not in r:
+            continue
+        after, tokens = r["wall_s"] - r["ttft_ms"] / 1e3, r.get("completion_tokens", len(r.get("token_ids", [])))
+        if tokens > 1 and after > 0:
+            out[_unit(r)] = (tokens - 1) / after
+    return out
+
+
+def _before_first_share(rs: list[dict]) -> float | None:
+    """The requests' time before their first token, over their whole time (concurrency 1 only).
+
+    >>> _before_first_share([{"concurrency": 1, "wall_s": 2.0, "ttft_ms": 500.0},
+    ...                      {"concurrency": 1, "wall_s": 2.0, "ttft_ms": 1500.0}])
+    0.5
+    """
+    rs = [r for r in rs if r["concurrency"] == 1 and "ttft_ms" in r and r.get("wall_s")]
+    return sum(r["ttft_ms"] / 1e3 for r in rs) / sum(r["wall_s"] for r in rs) if rs else None
+
+
 def primary(records: list[dict]) -> list[dict]:
     """The records of the run's target: with an HTTP target, gRPC records (``--also-grpc``) are
     only the other side of the gateway comparison.
@@ -247,6 +279,7 @@ def summarize(records: list[dict]) -> list[Row]:
             requests=len(rs),
             tokens_per_s=statistics.median(tput.values()),
             ttft_ms=statistics.median(r["ttft_ms"] for r in rs) if service else None,
+            before_first_share=_before_first_share(rs) if service else None,
             itl_p50_ms=percentile(gaps, 50) if gaps else None,
             itl_p99_ms=percentile(gaps, 99) if gaps else None,
             mean_accepted_length=statistics.fmean(r["mean_accepted_length"] for r in rs) if service else None,
@@ -263,6 +296,10 @@ def summarize(records: list[dict]) -> list[Row]:
         plain = groups.get((sampling, c, cat, "plain"))
         if plain:
             row.speedup = _paired_ratio(_throughput(groups[(sampling, c, cat, mode)]), _throughput(plain))
+            if "ttft_ms" in plain[0]:
+                row.after_first_speedup = _paired_ratio(
+                    _after_first(groups[(sampling, c, cat, mode)]), _after_first(plain)
+                )
         pld = groups.get((sampling, c, cat, "hf-pld"))
         if pld and mode != "hf-pld":
             row.vs_hf_pld = _paired_ratio(_throughput(groups[(sampling, c, cat, mode)]), _throughput(pld))
@@ -315,6 +352,10 @@ def _overall(rows: dict[tuple, Row]) -> list[Row]:
                 requests=sum(r.requests for r in rs),
                 tokens_per_s=geomean([r.tokens_per_s for r in rs]),
                 speedup=gm("speedup"),
+                after_first_speedup=gm("after_first_speedup"),
+                before_first_share=statistics.fmean(shares)
+                if (shares := [r.before_first_share for r in rs if r.before_first_share is not None])
+                else None,
                 vs_hf_pld=gm("vs_hf_pld"),
                 efficiency=gm("efficiency"),
                 mean_accepted_length=gm("mean_accepted_length"),
@@ -541,9 +582,10 @@ def markdown(
             lines.append(f"| {'**overall (geo-mean)**' if cat == OVERALL else cat} | " + " | ".join(vals) + " |")
         lines += ["", f"Per mode, overall ({sampling}, {c} stream{'s' if c > 1 else ''}):", ""]
         lines += [
-            "| mode | speed-up | vs HF PLD | efficiency vs oracle | tokens/step | acceptance | drafted | accepted "
-            "| TTFT ms | ITL p50/p99 ms | proposer wait | fallbacks | lossless |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| mode | speed-up | after the first token | vs HF PLD | efficiency vs oracle | tokens/step | acceptance "
+            "| drafted | accepted | TTFT ms | time before the first token | ITL p50/p99 ms | proposer wait | fallbacks "
+            "| lossless |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for m in modes:
             r = cell[(OVERALL, m)]
@@ -555,9 +597,11 @@ def markdown(
             itl = f"{statistics.median(p50):.0f}/{statistics.median(p99):.0f}" if p50 else "–"
             lossless = {True: "yes", False: "**NO**", None: "–"}[r.lossless]
             lines.append(
-                f"| {m} | {_fmt(r.speedup, '.2f', 'x')} | {_fmt(r.vs_hf_pld, '.2f', 'x')} | {_fmt(r.efficiency)} "
+                f"| {m} | {_fmt(r.speedup, '.2f', 'x')} | {_fmt(r.after_first_speedup, '.2f', 'x')} "
+                f"| {_fmt(r.vs_hf_pld, '.2f', 'x')} | {_fmt(r.efficiency)} "
                 f"| {_fmt(r.mean_accepted_length)} | {_fmt(r.acceptance_rate, '.0%')} | {r.drafted} | {r.accepted} "
-                f"| {_fmt(ttft, '.0f')} | {itl} | {_fmt(statistics.median(share) if share else None, '.0%')} "
+                f"| {_fmt(ttft, '.0f')} | {_fmt(r.before_first_share, '.0%')} | {itl} "
+                f"| {_fmt(statistics.median(share) if share else None, '.0%')} "
                 f"| {r.fallbacks} | {lossless} |"
             )
         if (sampling, c) in overhead:

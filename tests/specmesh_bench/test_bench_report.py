@@ -92,3 +92,32 @@ def test_a_mismatching_mode_is_reported_as_a_losslessness_failure_not_a_speed():
     text = markdown(rows, {"cpu": "x"}, {}, failures)
     assert "LOSSLESSNESS FAILURES" in text
     assert "| ngram | 5.00x |" in text and "**NO**" in text
+
+
+def test_the_speed_up_after_the_first_token_pairs_requests_and_the_time_before_it_is_a_share():
+    def timed(mode: str, idx: int, wall: float, ttft_ms: float) -> dict:
+        return rec(mode, "code", idx, 64 / wall, wall_s=wall, ttft_ms=ttft_ms, completion_tokens=65)
+
+    records = [  # the same 64 tokens after a first token that takes 1 s (prompt 0) and 0.5 s (prompt 1)
+        timed("plain", 0, 3.0, 1000.0),  # 2 s after the first token
+        timed("plain", 1, 1.5, 500.0),  # 1 s
+        timed("ngram", 0, 2.0, 1000.0),  # 1 s: 2x after the first token, 1.5x end to end
+        timed("ngram", 1, 1.0, 500.0),  # 0.5 s: 2x
+    ]
+    rows = {(r.category, r.mode): r for r in summarize(records)}
+    assert rows[("code", "ngram")].after_first_speedup == pytest.approx(2.0)
+    assert rows[("code", "ngram")].speedup == pytest.approx(1.5)
+    assert rows[("code", "plain")].before_first_share == pytest.approx(1.5 / 4.5)
+    assert rows[(OVERALL, "ngram")].after_first_speedup == pytest.approx(2.0)
+    assert rows[(OVERALL, "ngram")].before_first_share == pytest.approx(0.5)
+    table = markdown(summarize(records), {}, {}, [])
+    assert "| ngram | 1.50x | 2.00x |" in table
+
+
+def test_waves_have_no_speed_up_after_the_first_token():
+    records = [
+        rec("plain", "code", 0, 10.0, concurrency=8, wave_tokens_per_s=10.0, wall_s=2.0),
+        rec("ngram", "code", 0, 20.0, concurrency=8, wave_tokens_per_s=20.0, wall_s=1.0),
+    ]
+    rows = {(r.category, r.mode): r for r in summarize(records)}
+    assert rows[("code", "ngram")].after_first_speedup is None and rows[("code", "ngram")].before_first_share is None
