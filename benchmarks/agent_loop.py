@@ -215,8 +215,7 @@ def summarize(records: list[dict], agents_list: list[int], modes: list[str]) -> 
                 "wall_ratio": statistics.median(walls), "after_first_ratio": after, "before_first_share": before,
                 "cached_share": cached, "same": same, "turns": len(mine),
             }  # fmt: skip
-        if plain:
-            share = sum(r["ttft_s"] for r in plain.values()) / sum(r["seconds"] for r in plain.values())
+        if (share := summary.get(f"{agents}/plain", {}).get("before_first_share")) is not None:
             lines.append(
                 f"\nPlain spends {share:.0%} of its turn time before the first token (prefill of each turn's new "
                 f"input, and the first token), which no proposer shortens: were every later token free, a mode "

@@ -279,7 +279,7 @@ def summarize(records: list[dict]) -> list[Row]:
             requests=len(rs),
             tokens_per_s=statistics.median(tput.values()),
             ttft_ms=statistics.median(r["ttft_ms"] for r in rs) if service else None,
-            before_first_share=_before_first_share(rs) if service else None,
+            before_first_share=_before_first_share(rs),
             itl_p50_ms=percentile(gaps, 50) if gaps else None,
             itl_p99_ms=percentile(gaps, 99) if gaps else None,
             mean_accepted_length=statistics.fmean(r["mean_accepted_length"] for r in rs) if service else None,
@@ -296,10 +296,7 @@ def summarize(records: list[dict]) -> list[Row]:
         plain = groups.get((sampling, c, cat, "plain"))
         if plain:
             row.speedup = _paired_ratio(_throughput(groups[(sampling, c, cat, mode)]), _throughput(plain))
-            if "ttft_ms" in plain[0]:
-                row.after_first_speedup = _paired_ratio(
-                    _after_first(groups[(sampling, c, cat, mode)]), _after_first(plain)
-                )
+            row.after_first_speedup = _paired_ratio(_after_first(groups[(sampling, c, cat, mode)]), _after_first(plain))
         pld = groups.get((sampling, c, cat, "hf-pld"))
         if pld and mode != "hf-pld":
             row.vs_hf_pld = _paired_ratio(_throughput(groups[(sampling, c, cat, mode)]), _throughput(pld))
@@ -343,6 +340,7 @@ def _overall(rows: dict[tuple, Row]) -> list[Row]:
             return geomean(vals) if vals and all(v for v in vals) else None
 
         checked = [r.lossless for r in rs if r.lossless is not None]
+        shares = [r.before_first_share for r in rs if r.before_first_share is not None]
         out.append(
             Row(
                 sampling=sampling,
@@ -353,9 +351,7 @@ def _overall(rows: dict[tuple, Row]) -> list[Row]:
                 tokens_per_s=geomean([r.tokens_per_s for r in rs]),
                 speedup=gm("speedup"),
                 after_first_speedup=gm("after_first_speedup"),
-                before_first_share=statistics.fmean(shares)
-                if (shares := [r.before_first_share for r in rs if r.before_first_share is not None])
-                else None,
+                before_first_share=statistics.fmean(shares) if shares else None,
                 vs_hf_pld=gm("vs_hf_pld"),
                 efficiency=gm("efficiency"),
                 mean_accepted_length=gm("mean_accepted_length"),
