@@ -106,6 +106,7 @@ class DeploymentConfig:
     rag_data_dir: Path | None = None  # None = $SPECMESH_RAG_DATA_DIR or <cache>/rag
     draft_address: str = ""  # e.g. 127.0.0.1:50062; "" = no draft proposer
     draft_model: str | None = None  # the draft's HF folder (default: the target itself)
+    draft_args: tuple[str, ...] = ()  # more `specmesh serve draft` flags (e.g. --weights gguf)
     head_address: str = ""  # the learned-head proposer, e.g. 127.0.0.1:50065; "" = none
     head_dir: str = ""  # its head folder (`specmesh head train --out`); "" = the target's cached head
     gateway_address: str = ""  # the OpenAI-compatible HTTP gateway, e.g. 127.0.0.1:8000; "" = none
@@ -175,6 +176,7 @@ class LocalDeployment:
         if config.draft_address:
             draft = [*serve, "draft", "--address", config.draft_address, "--threads", "1", *tier]
             draft += ["--model", config.draft_model or config.model] if (config.draft_model or config.model) else []
+            draft += config.draft_args
             proposers.append(Service("draft", config.draft_address, draft))
             verifier_args += ["--proposer", f"draft={config.draft_address}"]
         if config.head_address:

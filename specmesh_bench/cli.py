@@ -210,6 +210,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--draft-model", default="", help="local deployment: start a draft proposer with this HF folder")
     p.add_argument(
+        "--draft-arg",
+        action="append",
+        default=[],
+        help="extra flag for the local draft proposer, e.g. --draft-arg=--weights=gguf (repeatable)",
+    )
+    p.add_argument(
         "--head",
         default="",
         metavar="DIR",
@@ -526,6 +532,9 @@ def local_deployment(
     ('heads/h', True, True, False)
     >>> cfg.extra_verifier_args[cfg.extra_verifier_args.index("--auto-proposers") + 1]
     'ngram,suffix,head'
+    >>> a = parse_args(["--modes", "plain,draft", "--draft-model", "m", "--draft-arg=--weights=gguf"])
+    >>> local_deployment(a, _csv(a.modes), "m", "127.0.0.1:1", Path("/tmp/run")).draft_args
+    ('--weights=gguf',)
 
     ``--tensor-parallel-size N`` > 1: N ranks sharing ``--threads`` (``verifier_threads``), and a
     /metrics port for the bench to read (unless a ``--verifier-arg`` gives one).
@@ -552,6 +561,7 @@ def local_deployment(
         rag_data_dir=run_dir / "rag" if a.rag else None,
         draft_address=f"127.0.0.1:{free_port()}" if a.draft_model else "",
         draft_model=a.draft_model or None,
+        draft_args=tuple(a.draft_arg),
         head_address=f"127.0.0.1:{free_port()}" if a.head else "",
         head_dir=a.head,
         extra_verifier_args=tuple(extra),

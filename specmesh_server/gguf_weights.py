@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from specmesh_kernels import cpu_linear
+from specmesh_server.flags import ServiceFlags
 
 # ggml's type numbers (gguf.GGMLQuantizationType) → bytes per block of 32 weights
 BLOCK_BYTES = cpu_linear.BLOCK_BYTES
@@ -144,3 +145,38 @@ def quantize_linears(model: Any, gguf: Path) -> Counter[str]:
         counts[GGMLQuantizationType(kind).name] += 1
         done.add(path)
     return counts
+
+
+WEIGHTS = ("fp32", "gguf")
+
+
+def add_weights_flag(flags: ServiceFlags, gguf_note: str) -> None:
+    """``--weights fp32|gguf``, shared by the services that run a model (``gguf_note``: what a GGUF run
+    promises there)."""
+    flags.add(
+        "--weights",
+        "fp32",
+        str,
+        "fp32 = the model's weights in float32 (a GGUF's dequantized once at conversion); gguf = a GGUF model's "
+        "linear layers served from its own Q4_1 / Q8_0 blocks by SpecMesh's CPU kernel (4-bit weights read as "
+        f"shipped; {gguf_note})",
+        choices=list(WEIGHTS),
+    )
+
+
+def serve_blocks(model: Any, spec: str | None) -> str:
+    """``--weights gguf``: ``model``'s linear layers on the blocks of the GGUF that ``spec`` (the service's
+    ``--model``) names, its float32 weights let go; returns the start-up line's words. ValueError where that
+    cannot run here (no CPU kernel, not a Llama GGUF); ``ModelNotFoundError`` for a model with no GGUF."""
+    import gc
+
+    from specmesh_server.model_loading import gguf_source
+    from specmesh_server.packed_linear import gemv_supported
+
+    if not gemv_supported():
+        raise ValueError("--weights gguf needs the CPU kernel (AVX2, FMA, F16C and a C++ compiler)")
+    source = gguf_source(spec)
+    counts = quantize_linears(model, source)
+    gc.collect()  # the float32 weights of the layers swapped
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    return f"the GGUF's own blocks from {source.name} ({kinds} linear layers; --weights gguf)"

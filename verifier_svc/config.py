@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from specmesh_server.auth import token_file
 from specmesh_server.flags import ServiceFlags, boolean, byte_size
+from specmesh_server.gguf_weights import add_weights_flag
 from specmesh_server.packed_linear import add_linears_flag
 from specmesh_server.security import ServerSecurity, add_security_flags, security_config
 from verifier_svc.batch_accept import KERNEL_MAX_NODES
@@ -103,15 +104,7 @@ def build_flags() -> ServiceFlags:
         minimum=0.01,
     )
     add_linears_flag(f)
-    f.add(
-        "--weights",
-        "fp32",
-        str,
-        "fp32 = the model's weights in float32 (a GGUF's dequantized once at conversion); gguf = a GGUF model's "
-        "linear layers served from its own Q4_1 / Q8_0 blocks by SpecMesh's CPU kernel (4-bit weights read as "
-        "shipped; CPU, float32, one rank; greedy speculation equals plain decoding over the same blocks)",
-        choices=["fp32", "gguf"],
-    )
+    add_weights_flag(f, "CPU, float32, one rank; greedy speculation equals plain decoding over the same blocks")
     f.add(
         "--attention",
         "auto",

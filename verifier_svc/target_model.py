@@ -140,23 +140,12 @@ def _thread_budget(config: VerifierConfig, lm: LoadedModel, ranks: Ranks | None)
 
 def _gguf_linears(config: VerifierConfig, lm: LoadedModel) -> None:
     """``--weights gguf``: the linear layers on the GGUF's own blocks (``gguf_weights``), said at start-up."""
-    from specmesh_server.gguf_weights import quantize_linears
-    from specmesh_server.model_loading import gguf_source
-    from specmesh_server.packed_linear import gemv_supported
+    from specmesh_server.gguf_weights import serve_blocks
 
-    if not gemv_supported():
-        raise KernelUnavailable("--weights gguf needs the CPU kernel (AVX2, FMA, F16C and a C++ compiler)")
-    source = gguf_source(config.model)
     try:
-        counts = quantize_linears(lm.model, source)
+        print(f"verifier: weights: {serve_blocks(lm.model, config.model)}", flush=True)
     except ValueError as exc:
         raise KernelUnavailable(str(exc)) from exc
-    gc.collect()  # the float32 weights of the layers swapped
-    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
-    print(
-        f"verifier: weights: the GGUF's own blocks from {source.name} ({kinds} linear layers; --weights gguf)",
-        flush=True,
-    )
 
 
 def _max_context(config: VerifierConfig, lm: LoadedModel) -> int:

@@ -22,6 +22,7 @@ from proposer_svc.core.tree_flags import add_tree_flags, tree_settings
 from proposer_svc.core.tree_message import tree_response
 from specmesh.v1 import proposer_pb2
 from specmesh_server.flags import ServiceFlags
+from specmesh_server.gguf_weights import add_weights_flag
 from specmesh_server.log_limit import RateLimitedLog
 from specmesh_server.metrics import ProposerMetrics
 from specmesh_server.packed_linear import add_linears_flag
@@ -199,6 +200,7 @@ class DraftServerConfig:
     dtype: str | None = None
     threads: int = 1  # torch threads; 0 = torch's default
     linears: str = "gemv"  # CPU float32 linears: gemv, packed or stock (``packed_linear``)
+    weights: str = "fp32"  # fp32, or gguf: the GGUF's own Q4_1 / Q8_0 blocks on the CPU kernel (``gguf_weights``)
     max_context: int = 0  # 0 = the model's max_position_embeddings
     max_batch: int = 16
     max_nodes: int = 16
@@ -223,6 +225,7 @@ def build_flags() -> ServiceFlags:
     f.add("--dtype", None, str, "float32, bfloat16, float16; unset: float32 on CPU, bfloat16 on GPU")
     f.add("--threads", d.threads, int, "torch threads (0 = torch's default)", minimum=0)
     add_linears_flag(f)
+    add_weights_flag(f, "CPU, float32; the drafts are the blocks' guesses, the verifier keeps the output exact")
     add_tree_flags(f, d, "forward")
     f.add("--max-context", d.max_context, int, "context tokens per request (0 = the model's maximum)", minimum=0)
     return f
@@ -232,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> DraftServerConfig:
     f = build_flags()
     a = f.parse(argv)
     serving = serving_config(f, a)
+    if a.weights == "gguf" and (a.dtype not in (None, "float32") or (a.device or "cpu").split(":")[0] != "cpu"):
+        f.parser.error("--weights gguf drafts on the CPU kernel in float32: --device cpu, no other --dtype")
     return DraftServerConfig(
         serving=serving,
         model=a.model,
@@ -239,6 +244,7 @@ def parse_args(argv: list[str] | None = None) -> DraftServerConfig:
         dtype=a.dtype,
         threads=a.threads,
         linears=a.linears,
+        weights=a.weights,
         max_context=a.max_context,
         **tree_settings(a),
     )
@@ -253,7 +259,12 @@ def load_draft(cfg: DraftServerConfig) -> tuple[Any, Any]:
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    lm = load_model(cfg.model, cfg.device, cfg.dtype)
+    gguf = cfg.weights == "gguf"
+    lm = load_model(cfg.model, cfg.device or ("cpu" if gguf else None), cfg.dtype)
+    if gguf:
+        from specmesh_server.gguf_weights import serve_blocks
+
+        print(f"draft: weights: {serve_blocks(lm.model, cfg.model)}", flush=True)
     text_cfg = lm.model.config.get_text_config()
     model_max = int(getattr(text_cfg, "max_position_embeddings", 0) or 4096)
     max_context = min(cfg.max_context or model_max, model_max)
