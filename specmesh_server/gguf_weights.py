@@ -25,6 +25,7 @@ to the rows of blocks (:func:`unpermute_rows`).
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,6 @@ def serve_blocks(model: Any, spec: str | None) -> str:
     """``--weights gguf``: ``model``'s linear layers on the blocks of the GGUF that ``spec`` (the service's
     ``--model``) names, its float32 weights let go; returns the start-up line's words. ValueError where that
     cannot run here (no CPU kernel, not a Llama GGUF); ``ModelNotFoundError`` for a model with no GGUF."""
-    import gc
-
     from specmesh_server.model_loading import gguf_source
     from specmesh_server.packed_linear import gemv_supported
 

@@ -235,12 +235,13 @@ def parse_args(argv: list[str] | None = None) -> DraftServerConfig:
     f = build_flags()
     a = f.parse(argv)
     serving = serving_config(f, a)
-    if a.weights == "gguf" and (a.dtype not in (None, "float32") or (a.device or "cpu").split(":")[0] != "cpu"):
+    device = a.device or ("cpu" if a.weights == "gguf" else None)  # the GGUF kernel's device, unless named
+    if a.weights == "gguf" and (a.dtype not in (None, "float32") or device.split(":")[0] != "cpu"):
         f.parser.error("--weights gguf drafts on the CPU kernel in float32: --device cpu, no other --dtype")
     return DraftServerConfig(
         serving=serving,
         model=a.model,
-        device=a.device,
+        device=device,
         dtype=a.dtype,
         threads=a.threads,
         linears=a.linears,
@@ -259,9 +260,8 @@ def load_draft(cfg: DraftServerConfig) -> tuple[Any, Any]:
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    gguf = cfg.weights == "gguf"
-    lm = load_model(cfg.model, cfg.device or ("cpu" if gguf else None), cfg.dtype)
-    if gguf:
+    lm = load_model(cfg.model, cfg.device, cfg.dtype)
+    if cfg.weights == "gguf":
         from specmesh_server.gguf_weights import serve_blocks
 
         print(f"draft: weights: {serve_blocks(lm.model, cfg.model)}", flush=True)

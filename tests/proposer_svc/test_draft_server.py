@@ -87,15 +87,24 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def test_greedy_with_the_target_as_its_own_draft_is_identical_and_accepts_whole_paths(lm, services, prompts, hf_greedy):
-    with Client(services.address) as c:
+def _one_by_one(lm, address: str, prompts, hf_greedy, spec: SpecDecodeParams) -> list:
+    """Each prompt's 16 greedy tokens with ``spec``, one request at a time, equal to ``generate()``'s and
+    speculated without a fallback; their speculation summaries."""
+    out = []
+    with Client(address) as c:
         for ids in prompts:
-            out = c.complete(ids, _greedy(16), SELF)
-            assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 16))
-            m = out.summary.speculation
+            done = c.complete(ids, _greedy(16), spec)
+            assert_greedy_equal(lm, ids, done.token_ids, hf_greedy(ids, 16))
+            m = done.summary.speculation
             assert not m.fallback_reason and m.steps > 0
-            # Depth 4 trees from the target itself: every verified step accepts (nearly) a whole path.
-            assert m.accepted_tokens >= 0.9 * 4 * m.steps - 4, m
+            out.append(m)
+    return out
+
+
+def test_greedy_with_the_target_as_its_own_draft_is_identical_and_accepts_whole_paths(lm, services, prompts, hf_greedy):
+    for m in _one_by_one(lm, services.address, prompts, hf_greedy, SELF):
+        # Depth 4 trees from the target itself: every verified step accepts (nearly) a whole path.
+        assert m.accepted_tokens >= 0.9 * 4 * m.steps - 4, m
 
 
 def test_greedy_with_a_two_layer_draft_is_identical_and_concurrent_requests_batch(lm, services, prompts, hf_greedy):
@@ -117,14 +126,8 @@ def test_a_draft_on_the_gguf_blocks_keeps_the_output_plain_greedy_and_guesses_th
     the float32 target's output is still plain greedy decoding's, and its own quantized copy guesses it well."""
     logs = [p.read_text() for p in services.log_path.parent.glob("draft-*.log")]
     assert sum("draft: weights: the GGUF's own blocks from" in text for text in logs) == 1, logs
-    drafted = accepted = steps = 0
-    with Client(services.address) as c:
-        for ids in prompts:
-            out = c.complete(ids, _greedy(16), QUANTIZED)
-            assert_greedy_equal(lm, ids, out.token_ids, hf_greedy(ids, 16))
-            m = out.summary.speculation
-            assert not m.fallback_reason and m.steps > 0
-            drafted, accepted, steps = drafted + m.drafted_tokens, accepted + m.accepted_tokens, steps + m.steps
+    ms = _one_by_one(lm, services.address, prompts, hf_greedy, QUANTIZED)
+    drafted, accepted, steps = (sum(getattr(m, k) for m in ms) for k in ("drafted_tokens", "accepted_tokens", "steps"))
     # depth-4 trees: more than half of each path accepted (measured: 24 tokens over 9 steps, the float32
     # self-draft nearly 4 a step)
     assert accepted >= 2 * steps, (accepted, drafted, steps)
