@@ -234,17 +234,12 @@ def category_ratios(ours: list[dict], theirs: list[dict], mode: str, c: int) -> 
     ...                 [r("plain", "qa", 0, 20.0), r("plain", "qa", 1, 20.0)], "suffix", 1)
     {'qa': [1.5, 1.0]}
     """
-    from specmesh_bench.report import _throughput
+    from specmesh_bench.report import _group_ratios  # the bench's own pairing of two modes' runs
 
-    def units(rs: list[dict], m: str) -> dict[str, dict[tuple, float]]:
-        by: dict[str, list[dict]] = {}
-        for r in rs:
-            if r["mode"] == m and r["concurrency"] == c and r["sampling"] == "greedy":
-                by.setdefault(r["category"], []).append(r)
-        return {cat: _throughput(group) for cat, group in by.items()}
+    def run(rs: list[dict], m: str) -> list[dict]:
+        return [r for r in rs if r["mode"] == m and r["concurrency"] == c and r["sampling"] == "greedy"]
 
-    mine, base = units(ours, mode), units(theirs, "plain")
-    return {cat: [u[k] / base[cat][k] for k in sorted(u) if base[cat].get(k)] for cat, u in mine.items() if cat in base}
+    return {cat: ratios for cat, ratios in _group_ratios(run(ours, mode), run(theirs, "plain")).items() if ratios}
 
 
 def category_interval(ratios: dict[str, list[float]], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -256,16 +251,15 @@ def category_interval(ratios: dict[str, list[float]], draws: int = 2000, seed: i
     >>> low, mid, high = category_interval({"a": [1.0], "b": [4.0]}); (mid, low <= mid <= high)
     (2.0, True)
     """
+    from specmesh_bench.report import geo_mean_of_medians
+
     rng = random.Random(seed)
     groups = [g for g in ratios.values() if g]
-
-    def figure(gs: list[list[float]]) -> float:
-        return math.exp(statistics.fmean(math.log(statistics.median(g)) for g in gs))
-
     draws_ = sorted(
-        figure([rng.choices(g, k=len(g)) for g in rng.choices(groups, k=len(groups))]) for _ in range(draws)
+        geo_mean_of_medians([rng.choices(g, k=len(g)) for g in rng.choices(groups, k=len(groups))])
+        for _ in range(draws)
     )
-    return draws_[int(0.025 * draws)], figure(groups), draws_[math.ceil(0.975 * draws) - 1]
+    return draws_[int(0.025 * draws)], geo_mean_of_medians(groups), draws_[math.ceil(0.975 * draws) - 1]
 
 
 def serve_runs(args: argparse.Namespace, made: Build, out: Path) -> dict[str, dict[int, float]]:
