@@ -4,8 +4,9 @@ time, and where a step's time goes.
 Two verifier CPU runners on the default model, one per mode, over the paged cache as the verifier
 runs it. A mode is a ``--linears`` value (or ``gguf``: ``--weights gguf``, the shipped file's Q4_1 / Q8_0
 blocks), with ``/transformers`` for transformers' own layer forward
-instead of ``lean_llama``'s, ``/python`` for the lean loop in Python rather than its native form
-(default: ``gemv`` — today's default — against ``packed/transformers``,
+instead of ``lean_llama``'s, ``/python`` for the lean loop in Python rather than its native form,
+``/flash`` for flash attention at every step (not key order for steps of few tokens a row,
+``attention.in_key_order``) (default: ``gemv`` — today's default — against ``packed/transformers``,
 the step before issue 55). For each step shape — plain decode at batch 1
 and 8, and 17-token trees (the pending token and 16 nodes) at batch 1 and 8, after a ``--context``-token
 prefix — steps alternate A, B, A, B … so drift hits both alike; the ratio is the median of per-pair
@@ -111,7 +112,8 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="gemv,packed/transformers",
-        help="two modes, A,B (ratio B / A): LINEARS[/transformers|/python] (python: the lean loop, not native)",
+        help="two modes, A,B (ratio B / A): LINEARS[/transformers|/python|/flash] (python: the lean loop, not native; "
+        "flash: flash attention at every step)",
     )
     ap.add_argument("--profile", action="store_true", help="also the first mode's time by kind of work")
     args = ap.parse_args()
@@ -139,6 +141,12 @@ def main() -> None:
         )
         if forward == "python":  # lean_llama's loop in Python, not the native one
             runners[mode].decoder.native = None
+        if forward == "flash":  # flash attention at every step
+            from specmesh_server.attention import ORDERED_ATTR
+
+            for module in lm.model.modules():
+                if type(module).__name__.endswith("Attention"):
+                    setattr(module, ORDERED_ATTR, False)
     a, b = modes
     print(
         f"# The CPU step ({cpu_name()}, {args.threads} threads, {args.pairs} pairs, {args.context}-token context)\n\n"

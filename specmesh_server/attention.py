@@ -43,8 +43,10 @@ ATTN_NAME = "specmesh"
 META_KWARG = "specmesh_tree"  # the tree kernel's mask metadata, passed through the decoder's kwargs
 PACK_KWARG = "specmesh_packed"  # a packed forward's Packing, passed the same way
 # set on the attention modules of a model over GGUF blocks (``gguf_weights.order_attention``): attention in
-# key order, :func:`ordered_attention`, as the native loop's GGUF steps
+# key order, :func:`ordered_attention`, as the native loop's GGUF steps (False: never; unset: see in_key_order)
 ORDERED_ATTR = "specmesh_ordered"
+# a float32 CPU forward whose rows bring at most this many queries each attends in key order too (see in_key_order)
+ORDERED_WIDTH = 8
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,35 @@ def ordered_attention(
     return out.view(b, heads, n, dim).transpose(1, 2).contiguous()
 
 
+def in_key_order(module: torch.nn.Module, query: torch.Tensor, width: int, paged: bool) -> bool:
+    """Whether a CPU forward whose rows bring ``width`` queries each attends in key order
+    (:func:`ordered_attention`) rather than by flash attention: always over GGUF blocks (``ORDERED_ATTR``:
+    their bits must not depend on the step; False there: never); in float32 over the paged cache (read in
+    place, not copied as a slot cache's rows are) for ``width`` ≤ ``ORDERED_WIDTH``, where it is the
+    faster of the two: flash attention's per-call set-up outweighs a few queries' work. SmolLM2-135M's
+    whole step, key order over flash (``benchmarks/cpu_step.py --modes gemv/flash,gemv``, paired, 2-core
+    EPYC): plain decoding 0.94x at batch 1 and 0.85x at batch 8 after 256 tokens, 0.90x and 0.68x after
+    2,048; 3- and 5-token rows 0.86-0.97x; 17-token rows a tie (1.13x for one row after 2,048 tokens in
+    a first run), where flash attention's blocked products win. The Python loop and the native one
+    decide alike, so each computes the other's bits.
+
+    >>> from specmesh_server.packed_linear import gemv_supported
+    >>> loaded = gemv_supported()  # the CPU kernel library, built or loaded (where the CPU has AVX2)
+    >>> q = torch.zeros(1, 9, 1, 64)
+    >>> got = [in_key_order(torch.nn.Module(), q, width, paged) for width, paged in ((1, True), (17, True), (1, False))]
+    >>> got == [loaded, False, False]
+    True
+    """
+    from specmesh_kernels import cpu_linear
+
+    if query.device.type != "cpu" or query.shape[-1] % 8 or not cpu_linear.decoder_loaded():
+        return False
+    marked = getattr(module, ORDERED_ATTR, None)
+    if marked is not None:
+        return marked
+    return paged and query.dtype == torch.float32 and width <= ORDERED_WIDTH
+
+
 def _flash(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +257,11 @@ def attention_forward(
         )  # [b, width, H, D]
         return packing.unpad(out), None
     meta = kwargs.pop(META_KWARG, None)
-    if getattr(module, ORDERED_ATTR, False) and meta is None and not isinstance(key, TableContext):
+    if (
+        meta is None
+        and not isinstance(key, TableContext)
+        and in_key_order(module, query, query.shape[2], paged=isinstance(key, BlockContext))
+    ):
         return ordered_attention(query, key, value, attention_mask, scaling), None
     if isinstance(key, TableContext):  # the cache hands its pool and block table to the tree kernel
         return _tree_kernel(query, key, value, meta, scaling), None

@@ -243,12 +243,13 @@ class LeanLlama:
         packing: attention.Packing | None = kwargs.get(attention.PACK_KWARG)
         plain = not kwargs.keys() - {attention.PACK_KWARG}  # no tree kernel's metadata
         products = self.native.products(rows) if self.native is not None and plain else None
+        width = n if packing is None else packing.width  # the queries each row brings to attention
         if products is not None and isinstance(cache, PagedKVCache) and (reads := cache.in_place_reads()) is not None:
             x = cpu_linear.decode_layers(
                 x, cos.reshape(rows, dim), sin.reshape(rows, dim), self.native.norms, products.weights,
                 products.kinds, cache.pools, reads, attention.folded_mask(attention_mask, heads // kv), heads, kv,
                 self.eps, self.scaling, None if packing is None else (packing.rows, packing.cols, packing.width),
-                ordered=getattr(self.layers[0].attn, attention.ORDERED_ATTR, False),  # as the Python loop's attention
+                ordered=attention.in_key_order(self.layers[0].attn, x, width, paged=True),  # as the Python loop's
             )  # fmt: skip
             return DecoderOutput(torch.rms_norm(x, shape, d.norm.weight, self.eps))
         for i, layer in enumerate(self.layers):

@@ -37,13 +37,21 @@ def test_the_lean_forward_equals_transformers_forward_bit_for_bit(tiny_llama, li
         assert torch.equal(got, want)
 
 
+class Calls(list):
+    """The token shapes of the native loop's steps; ``ordered``: whether each attended in key order."""
+
+    ordered: list[bool]
+
+
 @pytest.fixture
 def native_calls(monkeypatch):
     """The token shapes of the steps the native decoder loop ran (a spy on ``cpu_linear.decode_layers``)."""
-    calls, native = [], cpu_linear.decode_layers
+    calls, native = Calls(), cpu_linear.decode_layers
+    calls.ordered = []
 
     def spy(x, *args, **kwargs):
         calls.append(tuple(x.shape[:2]))
+        calls.ordered.append(kwargs["ordered"])
         return native(x, *args, **kwargs)
 
     monkeypatch.setattr(cpu_linear, "decode_layers", spy)
@@ -53,12 +61,14 @@ def native_calls(monkeypatch):
 @pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
 def test_the_native_loop_runs_every_step_over_the_paged_cache(tiny_llama, native_calls):
     """Every step over the paged cache runs natively: the prefills and the 8-token tree step on oneDNN's
-    products, the decode steps of 2 rows and of 1 (at most GEMV_ROWS tokens) on the fused ones."""
+    products, the decode steps of 2 rows and of 1 (at most GEMV_ROWS tokens) on the fused ones. Steps whose
+    rows bring at most ORDERED_WIDTH tokens attend in key order, the 20-token prefills by flash attention."""
     runner = ModelRunner(tiny_llama, torch.device("cpu"), torch.float32, 256, linears="gemv", block_size=4)
     native = runner.decoder.native
     assert native is not None and native.small.rows == 4 and native.large is not None
     support.runner_steps(runner)
     assert native_calls == [(2, 20), (2, 4), (2, 1), (1, 20), (1, 1)]
+    assert native_calls.ordered == [False, True, True, False, True]
 
 
 @pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
@@ -113,6 +123,7 @@ def test_the_native_loop_equals_the_python_loop_over_long_runs_in_place(weights,
     for want, got in zip(*out, strict=True):
         assert torch.equal(got, want)
     assert native_calls == [(2, 600)] + [(2, 1)] * 4 + [(1, 4), (1, 5)]
+    assert native_calls.ordered == [weights == "gguf"] + [True] * 6  # float32: flash attention for the prefill
 
 
 @pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
