@@ -142,11 +142,9 @@ def main() -> None:
         if forward == "python":  # lean_llama's loop in Python, not the native one
             runners[mode].decoder.native = None
         if forward == "flash":  # flash attention at every step
-            from specmesh_server.attention import ORDERED_ATTR
+            from specmesh_server.attention import mark_attention
 
-            for module in lm.model.modules():
-                if type(module).__name__.endswith("Attention"):
-                    setattr(module, ORDERED_ATTR, False)
+            mark_attention(lm.model, ordered=False)
     a, b = modes
     print(
         f"# The CPU step ({cpu_name()}, {args.threads} threads, {args.pairs} pairs, {args.context}-token context)\n\n"

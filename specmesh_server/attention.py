@@ -222,12 +222,19 @@ def in_key_order(module: torch.nn.Module, query: torch.Tensor, width: int, paged
     """
     from specmesh_kernels import cpu_linear
 
-    if query.device.type != "cpu" or query.shape[-1] % 8 or not cpu_linear.decoder_loaded():
+    if query.device.type != "cpu" or query.shape[-1] % 8:
         return False
     marked = getattr(module, ORDERED_ATTR, None)
-    if marked is not None:
-        return marked
-    return paged and query.dtype == torch.float32 and width <= ORDERED_WIDTH
+    wanted = marked if marked is not None else paged and query.dtype == torch.float32 and width <= ORDERED_WIDTH
+    return wanted and cpu_linear.decoder_loaded()  # the library lookup last: the Python loop asks every layer
+
+
+def mark_attention(model: torch.nn.Module, ordered: bool) -> None:
+    """Set ``model``'s attention modules to attend in key order at every step (True) or never (False),
+    instead of as :func:`in_key_order` picks per step."""
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention"):
+            setattr(module, ORDERED_ATTR, ordered)
 
 
 def _flash(

@@ -76,13 +76,11 @@ class GGUFLinear(torch.nn.Module):
 def order_attention(model: torch.nn.Module) -> bool:
     """Mark ``model``'s attention modules for attention in key order (``attention.ordered_attention``) if
     any of its linears is on GGUF blocks; whether it did."""
-    from specmesh_server.attention import ORDERED_ATTR
+    from specmesh_server.attention import mark_attention
 
     if not any(isinstance(m, GGUFLinear) for m in model.modules()):
         return False
-    for module in model.modules():
-        if type(module).__name__.endswith("Attention"):
-            setattr(module, ORDERED_ATTR, True)
+    mark_attention(model, ordered=True)
     return True
 
 
