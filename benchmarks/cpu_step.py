@@ -6,7 +6,8 @@ runs it. A mode is a ``--linears`` value (or ``gguf``: ``--weights gguf``, the s
 blocks), with ``/transformers`` for transformers' own layer forward
 instead of ``lean_llama``'s, ``/python`` for the lean loop in Python rather than its native form,
 ``/flash`` for flash attention at every step (not key order for steps of few tokens a row,
-``attention.in_key_order``) (default: ``gemv`` — today's default — against ``packed/transformers``,
+``attention.in_key_order``), ``/rowsN`` for the matrix-vector kernel taking at most N rows (not
+``packed_linear.GEMV_ROWS``) (default: ``gemv`` — today's default — against ``packed/transformers``,
 the step before issue 55). For each step shape — plain decode at batch 1
 and 8, and 17-token trees (the pending token and 16 nodes) at batch 1 and 8, after a ``--context``-token
 prefix — steps alternate A, B, A, B … so drift hits both alike; the ratio is the median of per-pair
@@ -34,7 +35,9 @@ from specmesh_bench.report import bootstrap_interval
 
 CASES = {
     "plain, batch 1": (1, 0),
+    "plain, batch 4": (4, 0),
     "plain, batch 8": (8, 0),
+    "plain, batch 16": (16, 0),
     "1 row × 3 tokens": (1, 2),
     "1 row × 5 tokens": (1, 4),
     "8 rows × 3 tokens": (8, 2),
@@ -112,24 +115,27 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="gemv,packed/transformers",
-        help="two modes, A,B (ratio B / A): LINEARS[/transformers|/python|/flash] (python: the lean loop, not native; "
-        "flash: flash attention at every step)",
+        help="two modes, A,B (ratio B / A): LINEARS[/transformers|/python|/flash|/rowsN] (python: the lean loop, "
+        "not native; flash: flash attention at every step; rowsN: the kernel takes at most N rows)",
     )
     ap.add_argument("--profile", action="store_true", help="also the first mode's time by kind of work")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
 
+    from specmesh_server import packed_linear
     from specmesh_server.model_loading import load_model
     from specmesh_server.model_runner import ModelRunner
 
-    runners = {}
+    runners, gemv_rows = {}, packed_linear.GEMV_ROWS
     for mode in modes:
         lm = load_model(device="cpu", dtype="float32")
         if not runners:
             with torch.inference_mode():
                 read_ms, mb = weight_read_ms(lm.model)
         linears, _, forward = mode.partition("/")
+        if forward.startswith("rows"):  # the kernel takes at most this many rows (packed_linear.GEMV_ROWS)
+            packed_linear.GEMV_ROWS, forward = int(forward.removeprefix("rows")), ""
         if linears == "gguf":  # --weights gguf: the shipped file's blocks, the rest as gemv
             from specmesh_server.gguf_weights import quantize_linears
             from specmesh_server.model_loading import default_gguf_path
@@ -139,6 +145,7 @@ def main() -> None:
         runners[mode] = ModelRunner(
             lm.model, lm.device, lm.dtype, 4096, linears=linears, block_size=16, lean=forward != "transformers"
         )
+        packed_linear.GEMV_ROWS = gemv_rows
         if forward == "python":  # lean_llama's loop in Python, not the native one
             runners[mode].decoder.native = None
         if forward == "flash":  # flash attention at every step

@@ -6,7 +6,8 @@ weights. oneDNN (packed weights) and MKL (stock ``F.linear``) spend 1.6–2.2x t
 products: on a 2-core EPYC, SmolLM2-135M's 211 linears at 1 row take 35–53 ms, this kernel 17 ms
 (~31 GB/s; ``Tensor.sum`` over the same bytes read 28 GB/s that hour). Each thread reads its weight
 rows one after another, one sequential stream (reading 8 rows side by side, 8 streams, was 1.4–1.6x
-slower). From about 4 rows on, oneDNN's blocked GEMM is as fast: the caller chooses by row count
+slower). Steps of more rows take 3 weight rows at a time by 4 rows of x in registers, which beats oneDNN's
+blocked GEMM to about 24 rows (8 rows: 32 against 50 ms): the caller chooses by row count
 (``specmesh_server.packed_linear``).
 
 The same library holds the decoder loop that calls these linears (``cpu_decoder.cpp``,

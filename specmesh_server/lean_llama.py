@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from specmesh_kernels import cpu_linear
 from specmesh_server import attention
 from specmesh_server.gguf_weights import GGUFLinear
-from specmesh_server.packed_linear import GEMV_ROWS, PackedLinear
+from specmesh_server.packed_linear import PackedLinear
 from specmesh_server.paged_kv import PagedKVCache
 
 
@@ -100,7 +100,7 @@ def _fuse(modules: list[Any]) -> Fused | None:
     """One product for ``modules``: their float32 plain weights (``PackedLinear`` with the kernel) or their
     GGUF blocks of one kind, concatenated, each module's own then a view of it; None where neither."""
     if all(isinstance(m, PackedLinear) and m.plain is not None for m in modules):
-        attr, kind, rows = "plain", None, GEMV_ROWS
+        attr, kind, rows = "plain", None, min(m.gemv_numel // m.in_features for m in modules)
     elif all(isinstance(m, GGUFLinear) for m in modules) and len({m.kind for m in modules}) == 1:
         attr, kind, rows = "blocks", modules[0].kind, 1 << 62
     else:

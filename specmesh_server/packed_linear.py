@@ -7,11 +7,11 @@ weight matrix. On a CPU whose memory bandwidth, not arithmetic, bounds that step
 cached tokens (forward + logits, median): width 1 71 → 57 ms, width 2 118 → 60 ms, width 16
 137 → 83 ms. oneDNN's blocked layout, made once here (``_reorder_linear_weight``), is read as is.
 
-Steps of at most ``GEMV_ROWS`` rows (plain decode, small trees) are bound by that one read, which
-oneDNN spends 1.6x on at one row: with ``gemv`` the plain weight is kept beside the packed one and such
-steps go through ``specmesh_kernels.cpu_linear``'s matrix-vector kernel (SmolLM2-135M's linears at
-1 row: 35 → 22 ms; the whole batch-1 decode step 1.23x faster, docs/bench/issue55-cpu; larger steps
-stay on oneDNN). That costs the weights' memory twice.
+Steps of at most ``GEMV_ROWS`` rows (plain decode up to batch 24, trees of a few rows) are bound by that
+one read, which oneDNN spends 1.6x on at one row: with ``gemv`` the plain weight is kept beside the packed
+one and such steps go through ``specmesh_kernels.cpu_linear``'s kernel (SmolLM2-135M's linears at 1 row:
+35 → 22 ms; the whole batch-1 decode step 1.23x faster, a batch-8 one 0.71x the time of oneDNN's,
+docs/bench/issue55-cpu; larger steps stay on oneDNN). That costs the weights' memory twice.
 
 The product is the same up to floating-point reduction order (|Δlogit| ≲ 1e-4 on SmolLM2), as
 it already is between stock calls of different row counts; greedy equality with transformers'
@@ -29,9 +29,10 @@ from specmesh_server.flags import ServiceFlags
 # The weight layout is blocked for about this many rows (steps bring 1 … ~100; measured flat
 # between 16 and 64, slower when packed for 1 row).
 ROWS_HINT = 64
-# Steps of at most this many rows go through the matrix-vector kernel (with ``gemv``). On a 2-core EPYC
-# over SmolLM2-135M's linears alone it wins to 6 rows; in a whole step at 8 rows it lost (0.82x).
-GEMV_ROWS = 4
+# Steps of at most this many rows go through the kernel (with ``gemv``). On a 2-core EPYC (Milan), over
+# SmolLM2-135M's linears alone, its 3 × 4 register tiles beat oneDNN to 24 rows (16: 53 against 69 ms;
+# 24: 77 against 88) and tie at 32; whole steps, against 4 rows: batch 8 0.71x, batch 16 0.85x.
+GEMV_ROWS = 24
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -60,8 +61,7 @@ def effective(linears: str, device: torch.device, dtype: torch.dtype) -> str:
 def describe(linears: str) -> str:
     """The start-up line's words for the linears that run."""
     return {
-        "gemv": f"oneDNN with pre-packed weights; steps of at most {GEMV_ROWS} rows through the AVX2 "
-        "matrix-vector kernel",
+        "gemv": f"oneDNN with pre-packed weights; steps of at most {GEMV_ROWS} rows through SpecMesh's AVX2 kernel",
         "packed": "oneDNN with pre-packed weights",
         "stock": "transformers' own",
     }[linears]
@@ -127,7 +127,7 @@ def add_linears_flag(flags: ServiceFlags) -> None:
         "gemv",
         str,
         "CPU float32: packed = linear layers through oneDNN with weights packed once at start-up "
-        "(faster multi-token steps); gemv = packed, and steps of at most 4 rows through SpecMesh's "
+        f"(faster multi-token steps); gemv = packed, and steps of at most {GEMV_ROWS} rows through SpecMesh's "
         "AVX2 matrix-vector kernel (faster decode; the weights held twice); stock = transformers' own",
         choices=list(LINEARS),
     )

@@ -12,6 +12,7 @@ import torch
 from specmesh_kernels import cpu_linear
 from specmesh_server import lean_llama
 from specmesh_server.model_runner import ModelRunner
+from specmesh_server.packed_linear import GEMV_ROWS
 
 
 @pytest.fixture
@@ -60,12 +61,12 @@ def native_calls(monkeypatch):
 
 @pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
 def test_the_native_loop_runs_every_step_over_the_paged_cache(tiny_llama, native_calls):
-    """Every step over the paged cache runs natively: the prefills and the 8-token tree step on oneDNN's
-    products, the decode steps of 2 rows and of 1 (at most GEMV_ROWS tokens) on the fused ones. Steps whose
+    """Every step over the paged cache runs natively: the 40-token prefill on oneDNN's products, the 20-token
+    one, the 8-token tree step and the decode steps (at most GEMV_ROWS tokens) on the fused ones. Steps whose
     rows bring at most ORDERED_WIDTH tokens attend in key order, the 20-token prefills by flash attention."""
     runner = ModelRunner(tiny_llama, torch.device("cpu"), torch.float32, 256, linears="gemv", block_size=4)
     native = runner.decoder.native
-    assert native is not None and native.small.rows == 4 and native.large is not None
+    assert native is not None and native.small.rows == GEMV_ROWS and native.large is not None
     support.runner_steps(runner)
     assert native_calls == [(2, 20), (2, 4), (2, 1), (1, 20), (1, 1)]
     assert native_calls.ordered == [False, True, True, False, True]

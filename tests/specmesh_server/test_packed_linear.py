@@ -117,3 +117,16 @@ def test_packed_runner_gives_the_stock_runners_logits_on_prefill_and_a_tree_step
     out = [support.runner_steps(runner) for runner in (stock, packed)]
     for want, got in zip(out[0], out[1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@gemv_only
+@pytest.mark.parametrize("n", [1, 5, 64, 97])
+def test_a_rows_product_has_the_same_bits_whatever_else_the_step_holds(n):
+    """Tiles of 3 weight rows by 4 rows of x, single rows, and their tails sum every output alike: a row's
+    result is the same bits alone or beside 1 … 25 others (so a verification step multiplies a token as the
+    plain step before it did)."""
+    gen = torch.Generator().manual_seed(n)
+    x, w = torch.randn(26, 100, generator=gen), torch.randn(n, 100, generator=gen)
+    alone = torch.cat([cpu_linear.linear(x[i : i + 1], w, None) for i in range(26)])
+    for rows in (2, 3, 4, 5, 7, 8, 12, 17, 26):
+        assert torch.equal(cpu_linear.linear(x[:rows], w, None), alone[:rows]), rows
