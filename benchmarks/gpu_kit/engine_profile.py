@@ -108,7 +108,7 @@ def decode_step_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> 
         return on
 
     spec = SpecParams("synthetic", 0, NODES, "", "")
-    n_steps = 4 if ctx.quick else 20
+    n_steps = 2 if ctx.quick else 20
     rng = random.Random(1)
     try:
         for i in range(ROWS):

@@ -135,7 +135,7 @@ def acceptance_section(ctx: CheckContext, sec: Section, deadline: Deadline) -> N
     from verifier_svc.batch_accept import accept_batch
     from verifier_svc.requests import GenerationRequest, SpecParams
 
-    vocab, n_req, max_nodes, rounds = (64, 6, 8, 3) if ctx.quick else (49152, 64, 63, 10)
+    vocab, n_req, max_nodes, rounds = (64, 6, 8, 2) if ctx.quick else (49152, 64, 63, 10)
     rng = random.Random(0)
     spec = SpecParams("none", 0, 0, "", "")
     t = sec.table("acceptance kernel vs host walk", ["round", "requests", "greedy", "sampled", "identical"])
