@@ -100,7 +100,7 @@ def _fuse(modules: list[Any]) -> Fused | None:
     """One product for ``modules``: their float32 plain weights (``PackedLinear`` with the kernel) or their
     GGUF blocks of one kind, concatenated, each module's own then a view of it; None where neither."""
     if all(isinstance(m, PackedLinear) and m.plain is not None for m in modules):
-        attr, kind, rows = "plain", None, min(m.gemv_numel // m.in_features for m in modules)
+        attr, kind, rows = "plain", None, min(m.gemv_rows for m in modules)
     elif all(isinstance(m, GGUFLinear) for m in modules) and len({m.kind for m in modules}) == 1:
         attr, kind, rows = "blocks", modules[0].kind, 1 << 62
     else:
@@ -129,7 +129,7 @@ def _small(module: Any) -> tuple[torch.Tensor, int, int] | None:
     if isinstance(module, GGUFLinear):
         return module.blocks, module.kind, 1 << 62
     if isinstance(module, PackedLinear) and module.plain is not None and module.bias is None:
-        return module.plain, cpu_linear.FLOAT32, module.gemv_numel // module.in_features
+        return module.plain, cpu_linear.FLOAT32, module.gemv_rows
     return None
 
 

@@ -86,6 +86,11 @@ class PackedLinear(torch.nn.Module):
         self.plain = linear.weight.detach().contiguous() if gemv else None
         self.gemv_numel = GEMV_ROWS * self.in_features if gemv else 0
 
+    @property
+    def gemv_rows(self) -> int:
+        """The most rows a step may bring to go through the kernel (0 without ``gemv``)."""
+        return self.gemv_numel // self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
         if self.plain is not None and x.numel() <= self.gemv_numel:
             return cpu_linear.linear(x, self.plain, self.bias)
