@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -44,7 +45,9 @@ inline void tile_dot(const float* x, const float* w, int64_t K, float* y, int64_
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[r][t]);
-      for (int64_t j = k; j < K; ++j) s += w[r * K + j] * x[t * K + j];
+      // fused explicitly: left to the compiler, the tail's products may be vectorized apart from its sum
+      // (rounded twice) in one tile shape and fused in another (GCC with AVX-512), so rows would differ by step
+      for (int64_t j = k; j < K; ++j) s = std::fma(w[r * K + j], x[t * K + j], s);
       y[t * N + r] = s;
     }
 }
