@@ -65,6 +65,85 @@ inline void rows_by_rows(const float* x, int64_t M, const float* w, int64_t K, f
   }
 }
 
+#if defined(__AVX512F__)
+// ---- Two rows of x in one 16-lane vector (where the build has AVX-512): lanes 0-7 hold row 2p's 8 values of
+// a step of k, lanes 8-15 row 2p + 1's, and the weight row's 8 values are loaded into both halves
+// (vbroadcastf64x4). One 16-lane multiply-add is then two rows' 8-lane steps of tile_dot, each lane the same
+// fused multiply-add in the same k order, and each half is reduced by hsum as tile_dot reduces its vector: the
+// same bits as tile_dot (and the AVX2 build), at twice the multiply-adds per instruction.
+
+// The rows of x side by side in pairs, once per call: xi [P][K / 8][16] (an odd M's last pair padded with zeros).
+struct PairedRows {
+  std::vector<float> xi;
+  int64_t P, K8;
+};
+
+// A tile: kPairR weight rows by kPairP pairs of x rows, 24 accumulators of 32 vector registers (the 2-core Zen 5's
+// 211 products: 4 × 6 beat 3 × 4, 4 × 4 and 6 × 4 from 8 to 16 rows and tied them beyond; 3 rows were slower)
+constexpr int kPairR = 4, kPairP = 6;
+
+inline PairedRows pair_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t K8 = K / 8, P = (M + 1) / 2;
+  PairedRows r{std::vector<float>(P * K8 * 16, 0.0f), P, K8};
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t j = 0; j < K8; ++j)
+      std::memcpy(r.xi.data() + ((t / 2) * K8 + j) * 16 + (t % 2) * 8, x + t * K + 8 * j, 8 * sizeof(float));
+  return r;
+}
+
+inline __m256 half(__m512 v, int h) {
+  return h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)) : _mm512_castps512_ps256(v);
+}
+
+// tile_dot for R weight rows by the P pairs of x from pair p0 (rows 2·p0 … 2·p0 + 2P - 1 of M).
+template <int R, int P, bool Prefetch>
+inline void pair_tile_dot(const PairedRows& xr, int64_t p0, const float* x, int64_t M, const float* w, int64_t K,
+                          float* y, int64_t N, const float* pf) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  const float* xi = xr.xi.data() + p0 * xr.K8 * 16;
+  for (int64_t j = 0; j < xr.K8; ++j) {
+    const int64_t k = 8 * j;
+    if (Prefetch && (j & 1) == 0)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T0);
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(w + r * K + k))));
+    for (int p = 0; p < P; ++p) {
+      const __m512 xv = _mm512_loadu_ps(xi + (p * xr.K8 + j) * 16);
+      for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(wv[r], xv, acc[r][p]);
+    }
+  }
+  const int64_t k = 8 * xr.K8;
+  for (int p = 0; p < P; ++p)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = 2 * (p0 + p) + h;
+      if (t >= M) continue;
+      for (int r = 0; r < R; ++r) {
+        float s = hsum(half(acc[r][p], h));
+        for (int64_t j = k; j < K; ++j) s = std::fma(w[r * K + j], x[t * K + j], s);  // as tile_dot's tail
+        y[t * N + r] = s;
+      }
+    }
+}
+
+// Every row of x by R weight rows: kPairP pairs at a time, then the rest.
+template <int R, bool Prefetch>
+inline void pairs_by_rows(const PairedRows& xr, const float* x, int64_t M, const float* w, int64_t K, float* y,
+                          int64_t N, const float* pf) {
+  int64_t p = 0;
+  for (; p + kPairP <= xr.P; p += kPairP) pair_tile_dot<R, kPairP, Prefetch>(xr, p, x, M, w, K, y, N, pf);
+  switch (xr.P - p) {
+    case 5: pair_tile_dot<R, 5, Prefetch>(xr, p, x, M, w, K, y, N, pf); break;
+    case 4: pair_tile_dot<R, 4, Prefetch>(xr, p, x, M, w, K, y, N, pf); break;
+    case 3: pair_tile_dot<R, 3, Prefetch>(xr, p, x, M, w, K, y, N, pf); break;
+    case 2: pair_tile_dot<R, 2, Prefetch>(xr, p, x, M, w, K, y, N, pf); break;
+    case 1: pair_tile_dot<R, 1, Prefetch>(xr, p, x, M, w, K, y, N, pf); break;
+    default: break;
+  }
+}
+#endif
+
 // A float32 output [..., N] for x [..., K].
 inline at::Tensor rows_out(const at::Tensor& x, int64_t N) {
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -91,6 +170,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   // of 8 rows read side by side, whose 8 streams the prefetchers follow worse). More rows: 3 weight rows at a
   // time by 4 rows of x in registers (12 multiply-adds for 7 loads; the 2-core EPYC's 211 products at 8 rows
   // 43 → 32 ms, oneDNN's 50), the next 3 prefetched. The same bits either way.
+#if defined(__AVX512F__)
+  if (M > 1) {
+    const PairedRows xr = pair_rows(xp, M, K);
+    at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
+      int64_t n = n0;
+      for (; n + kPairR <= n1; n += kPairR)
+        pairs_by_rows<kPairR, true>(xr, xp, M, wp + n * K, K, yp + n, N, wp + std::min(n + kPairR, n1 - kPairR) * K);
+      for (; n < n1; ++n) pairs_by_rows<1, false>(xr, xp, M, wp + n * K, K, yp + n, N, nullptr);
+    });
+  } else
+#endif
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
     if (M > 1)

@@ -7,7 +7,7 @@ weight matrix. On a CPU whose memory bandwidth, not arithmetic, bounds that step
 cached tokens (forward + logits, median): width 1 71 → 57 ms, width 2 118 → 60 ms, width 16
 137 → 83 ms. oneDNN's blocked layout, made once here (``_reorder_linear_weight``), is read as is.
 
-Steps of at most ``GEMV_ROWS`` rows (plain decode up to batch 24, trees of a few rows) are bound by that
+Steps of at most ``GEMV_ROWS`` rows (24 or 48: plain decode up to that batch, trees of a few rows) are bound by that
 one read, which oneDNN spends 1.6x on at one row: with ``gemv`` the plain weight is kept beside the packed
 one and such steps go through ``specmesh_kernels.cpu_linear``'s kernel (SmolLM2-135M's linears at 1 row:
 35 → 22 ms; the whole batch-1 decode step 1.23x faster, a batch-8 one 0.71x the time of oneDNN's,
@@ -29,10 +29,9 @@ from specmesh_server.flags import ServiceFlags
 # The weight layout is blocked for about this many rows (steps bring 1 … ~100; measured flat
 # between 16 and 64, slower when packed for 1 row).
 ROWS_HINT = 64
-# Steps of at most this many rows go through the kernel (with ``gemv``). On a 2-core EPYC (Milan), over
-# SmolLM2-135M's linears alone, its 3 × 4 register tiles beat oneDNN to 24 rows (16: 53 against 69 ms;
-# 24: 77 against 88) and tie at 32; whole steps, against 4 rows: batch 8 0.71x, batch 16 0.85x.
-GEMV_ROWS = 24
+# Steps of at most this many rows go through the kernel (with ``gemv``): 48 on a CPU with AVX-512, 24 with
+# AVX2 alone, where each beats oneDNN (``cpu_linear.row_limit``).
+GEMV_ROWS = cpu_linear.row_limit()
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -61,7 +60,7 @@ def effective(linears: str, device: torch.device, dtype: torch.dtype) -> str:
 def describe(linears: str) -> str:
     """The start-up line's words for the linears that run."""
     return {
-        "gemv": f"oneDNN with pre-packed weights; steps of at most {GEMV_ROWS} rows through SpecMesh's AVX2 kernel",
+        "gemv": f"oneDNN with pre-packed weights; steps of at most {GEMV_ROWS} rows through SpecMesh's kernel",
         "packed": "oneDNN with pre-packed weights",
         "stock": "transformers' own",
     }[linears]

@@ -147,15 +147,18 @@ from torch.utils.cpp_extension import load
 from specmesh_kernels import cpu_linear
 load(name="specmesh_cpu", sources=[str(p) for p in cpu_linear.SOURCES], extra_cflags=list(cpu_linear.BASE_CFLAGS),
      extra_ldflags=["-fopenmp"], build_directory=sys.argv[1], is_python_module=False)
-torch.save([cpu_linear.linear_gguf(*case) for case in torch.load(sys.argv[2])], sys.argv[3])
+cases = torch.load(sys.argv[2])
+torch.save([cpu_linear.linear(*c) if c[2] is None else cpu_linear.linear_gguf(*c) for c in cases], sys.argv[3])
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not cpu_linear.vnni_supported(), reason="this CPU builds the AVX2 kernel already")
-def test_the_avx2_build_gives_the_vnni_builds_bits(tmp_path):
+def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path):
     """A CPU without AVX-512 VNNI takes maddubs/madd (and Q8_0's sign trick) where this one takes vpdpbusd: the
-    same integers, so the same bits. Built here without the VNNI flags, in a process of its own."""
+    same integers, so the same bits. Its float32 products take 8-lane tiles where this one's take pairs of rows
+    in 16 lanes: the same multiply-adds per lane, so the same bits too. Built here without the AVX-512 flags,
+    in a process of its own."""
     import subprocess
     import sys
 
@@ -165,6 +168,9 @@ def test_the_avx2_build_gives_the_vnni_builds_bits(tmp_path):
             blocks, _ = _blocks(48, k, kind, seed=k)
             x = torch.randn(11, k, generator=torch.Generator().manual_seed(k))  # tiles of 8 here, of 4 there
             cases.append((x, _packed(blocks, kind), int(kind)))
+    for rows, k in ((2, 576), (11, 1536), (25, 100), (48, 13)):  # odd rows: a pair padded; k % 8: a tail
+        gen = torch.Generator().manual_seed(rows)
+        cases.append((torch.randn(rows, k, generator=gen), torch.randn(37, k, generator=gen), None))
     torch.save(cases, tmp_path / "in.pt")
     (tmp_path / "build").mkdir()
     script = [
@@ -177,4 +183,4 @@ def test_the_avx2_build_gives_the_vnni_builds_bits(tmp_path):
     ]
     subprocess.run(script, check=True)
     for got, case in zip(torch.load(tmp_path / "out.pt"), cases, strict=True):
-        assert torch.equal(got, cpu_linear.linear_gguf(*case))
+        assert torch.equal(got, cpu_linear.linear(*case) if case[2] is None else cpu_linear.linear_gguf(*case))

@@ -122,13 +122,14 @@ def test_packed_runner_gives_the_stock_runners_logits_on_prefill_and_a_tree_step
 @gemv_only
 @pytest.mark.parametrize("n", [1, 5, 64, 97])
 def test_a_rows_product_has_the_same_bits_whatever_else_the_step_holds(n):
-    """Tiles of 3 weight rows by 4 rows of x, single rows, and their tails sum every output alike: a row's
-    result is the same bits alone or beside 1 … 25 others (so a verification step multiplies a token as the
-    plain step before it did). K = 100 leaves a 4-wide tail after the 8-lane sums: it is fused explicitly,
-    as GCC with AVX-512 split it into products and sums in some tile shapes and not others."""
+    """Tiles of weight rows by rows of x (3 × 4 in 8 lanes; with AVX-512 4 × 6 pairs of rows in 16), single
+    rows, and their tails sum every output alike: a row's result is the same bits alone or beside any others
+    (so a verification step multiplies a token as the plain step before it did). K = 100 leaves a 4-wide
+    tail after the 8-lane sums: it is fused explicitly, as GCC with AVX-512 split it into products and sums
+    in some tile shapes and not others."""
     gen = torch.Generator().manual_seed(n)
-    x, w = torch.randn(26, 100, generator=gen), torch.randn(n, 100, generator=gen)
+    x, w = torch.randn(GEMV_ROWS + 2, 100, generator=gen), torch.randn(n, 100, generator=gen)
     assert packed_linear.gemv_supported()  # built and loaded, whichever test ran first
-    alone = torch.cat([cpu_linear.linear(x[i : i + 1], w, None) for i in range(26)])
-    for rows in (2, 3, 4, 5, 7, 8, 12, 17, 26):
+    alone = torch.cat([cpu_linear.linear(x[i : i + 1], w, None) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 7, 8, 11, 12, 13, 17, 26, GEMV_ROWS - 1, GEMV_ROWS, GEMV_ROWS + 2):
         assert torch.equal(cpu_linear.linear(x[:rows], w, None), alone[:rows]), rows
