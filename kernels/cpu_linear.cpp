@@ -2,9 +2,10 @@
 // VNNI where the CPU has it): the CPU verifier's decode and small verification steps, where reading the weights
 // once is the whole cost. Built by cpu_linear.py.
 //
-// The weights are read one row at a time, each thread's rows one sequential stream: the first input row's
-// pass brings the row from memory, every further row re-reads it from L1. Each output is an 8-lane
-// partial sum over k reduced once at the end (a different order from oneDNN's: |Δ| ~ 1e-6 relative).
+// One row of x: the weights are read one row at a time, each thread's rows one sequential stream. More rows:
+// tiles of weight rows by rows of x in registers (8 lanes; with AVX-512, pairs of rows in 16). Each output is an
+// 8-lane partial sum over k reduced once at the end, whatever the tile or the build (a different order from
+// oneDNN's: |Δ| ~ 1e-6 relative).
 #include "cpu_linear.h"
 
 #include <ATen/ATen.h>
@@ -168,8 +169,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   float* yp = y.data_ptr<float>();
   // One row: one weight row after another, each thread's rows one sequential stream (1.4-1.6x the bandwidth
   // of 8 rows read side by side, whose 8 streams the prefetchers follow worse). More rows: 3 weight rows at a
-  // time by 4 rows of x in registers (12 multiply-adds for 7 loads; the 2-core EPYC's 211 products at 8 rows
-  // 43 → 32 ms, oneDNN's 50), the next 3 prefetched. The same bits either way.
+  // time by 4 rows of x in registers (12 multiply-adds for 7 loads; the 2-core Zen 3's 211 products at 8 rows
+  // 43 → 32 ms, oneDNN's 50), the next 3 prefetched; with AVX-512, 4 weight rows by 6 pairs of rows (the 2-core
+  // Zen 5's at 24 rows 32 → 25 ms, oneDNN's 28). The same bits every way.
 #if defined(__AVX512F__)
   if (M > 1) {
     const PairedRows xr = pair_rows(xp, M, K);
