@@ -61,9 +61,10 @@ def native_calls(monkeypatch):
 
 @pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU has no AVX2/FMA")
 def test_the_native_loop_runs_every_step_over_the_paged_cache(tiny_llama, native_calls):
-    """Every step over the paged cache runs natively: the 40-token prefill on oneDNN's products, the 20-token
-    one, the 8-token tree step and the decode steps (at most GEMV_ROWS tokens) on the fused ones. Steps whose
-    rows bring at most ORDERED_WIDTH tokens attend in key order, the 20-token prefills by flash attention."""
+    """Every step over the paged cache runs natively: the 40-token prefill on oneDNN's products where the
+    kernel takes fewer rows (GEMV_ROWS: 24 with AVX2 alone, 48 with AVX-512), on the fused ones otherwise, as
+    the 20-token one, the 8-token tree step and the decode steps. Steps whose rows bring at most
+    ORDERED_WIDTH tokens attend in key order, the 20-token prefills by flash attention."""
     runner = ModelRunner(tiny_llama, torch.device("cpu"), torch.float32, 256, linears="gemv", block_size=4)
     native = runner.decoder.native
     assert native is not None and native.small.rows == GEMV_ROWS and native.large is not None
