@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import heapq
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -138,9 +137,9 @@ class LiveStepCost:
     def _cell(rows: int, width: float) -> tuple[int, int]:
         return (round(math.log2(max(rows, 1))), round(math.log2(max(width, 1))))
 
-    def at(self, context: int) -> CostFn:
+    def at(self, context: int) -> AtContext:
         """This cost after ``context`` cached positions: ``cost(rows, width, widest=None)``."""
-        return lambda rows, width, widest=None: self(rows, width, widest, context)
+        return AtContext(self, context)
 
     def observe(
         self, rows: int, width: float, seconds: float, widest: int | None = None, context: int | None = None
@@ -163,6 +162,45 @@ class LiveStepCost:
 
     def __call__(self, rows: int, width: float, widest: float | None = None, context: int | None = None) -> float:
         return self.table(rows, width, widest, context) * self.ratio(rows, width)
+
+
+@dataclass(frozen=True)
+class AtContext:
+    """A ``LiveStepCost`` after ``context`` cached positions: ``cost(rows, width, widest=None)``.
+
+    >>> table = StepCost((1, 4), (1, 8), ((0.06, 0.13), (0.08, 0.30)), ContextCost(128, 2.6e-6, 0.8e-6))
+    >>> at = LiveStepCost(table).at(600)
+    >>> step = at.batch(4)    # a packed step of 4 rows by its tokens and its widest row: the same floats
+    >>> step(10, 4) == at(4, 10 / 4, 4), round(step(10, 4), 4)
+    (True, 0.1381)
+    """
+
+    live: LiveStepCost
+    context: int
+
+    def __call__(self, rows: int, width: float, widest: float | None = None) -> float:
+        return self.live(rows, width, widest, self.context)
+
+    def batch(self, rows: int) -> Callable[[int, int], float]:
+        """``step(tokens, widest)``: ``self(rows, tokens / rows, widest)`` for a packed step of ``rows``
+        rows, the table and its live correction priced once per token count and the context once per
+        widest row (the same operations in the same order, so the same floats: ``choose_widths`` asks
+        for hundreds of (tokens, widest) pairs a step)."""
+        live, table, context = self.live, self.live.table, self.context
+
+        @functools.cache
+        def by_tokens(tokens: int) -> tuple[float, float]:  # (table seconds, observed ÷ table)
+            return table._table(rows, tokens / rows), live.ratio(rows, tokens / rows)
+
+        @functools.cache
+        def by_widest(widest: int) -> float:  # the context's seconds (StepCost.__call__'s extra)
+            return table.context(max(rows, 1), max(widest, 1), context) if table.context is not None else 0.0
+
+        def step(tokens: int, widest: int) -> float:
+            seconds, ratio = by_tokens(tokens)
+            return (seconds + by_widest(widest)) * ratio
+
+        return step
 
 
 def choose_width(expected_accepted: list[list[float]], cost: CostFn) -> int:
@@ -238,10 +276,13 @@ def choose_widths(expected_accepted: list[list[float]], cost: CostFn, packed: bo
     if not packed:
         return [choose_width(expected_accepted, cost)] * rows
     hulls = [hull_steps(e) for e in expected_accepted]
+    if isinstance(cost, AtContext):
+        step = cost.batch(rows)
+    else:
 
-    @functools.cache
-    def step(tokens: int, widest: int) -> float:  # the growths under each cap price the same steps
-        return cost(rows, tokens / rows, widest)
+        @functools.cache
+        def step(tokens: int, widest: int) -> float:  # the growths under each cap price the same steps
+            return cost(rows, tokens / rows, widest)
 
     best, best_widths = rows / step(rows, 1), [1] * rows
     # Every row's attention pays for the widest row (where the context makes that cost), a cost the
@@ -249,8 +290,12 @@ def choose_widths(expected_accepted: list[list[float]], cost: CostFn, packed: bo
     caps = sorted({w for h in hulls for w, _ in h})
     if rows == 1 or not caps or step(rows, caps[-1]) <= step(rows, 1):
         caps = caps[-1:]
+    # The greedy order, once: every row's hull steps, most tokens per node first (ties: row, then step).
+    # A row's gains per node fall along its hull, so this is the order a merge of the rows would take,
+    # and under a cap the same order without the steps wider than the cap (each row's hull cut short).
+    order = [(w, i) for _, i, _, w in sorted((-g, i, j, w) for i, h in enumerate(hulls) for j, (w, g) in enumerate(h))]
     for cap in caps:
-        goodput, widths = _grow(expected_accepted, [[s for s in h if s[0] <= cap] for h in hulls], step, best)
+        goodput, widths = _grow(expected_accepted, order, cap, step, best)
         if goodput > best:
             best, best_widths = goodput, widths
     return best_widths
@@ -258,29 +303,28 @@ def choose_widths(expected_accepted: list[list[float]], cost: CostFn, packed: bo
 
 def _grow(
     expected: list[list[float]],
-    hulls: list[list[tuple[int, float]]],
+    order: list[tuple[int, int]],
+    cap: int,
     step: Callable[[int, int], float],
     floor: float,
 ) -> tuple[float, list[int]]:
-    """Rows grown along their hulls, most expected tokens per node first: the best batch seen that
-    beats ``floor`` and each best before it by 2 % (noise must not flip a choice), else
-    (``floor``, every row at width 1). ``step(tokens, widest)``: seconds of the batch's step."""
+    """Rows grown by the hull steps of ``order`` ((width reached, row), most expected tokens per node
+    first) no wider than ``cap``: the best batch seen that beats ``floor`` and each best before it by
+    2 % (noise must not flip a choice), else (``floor``, every row at width 1). ``step(tokens,
+    widest)``: seconds of the batch's step."""
     rows = len(expected)
     widths = [1] * rows
-    gain, tokens = float(rows), rows
+    gain, tokens, widest = float(rows), rows, 1
     best, best_widths = floor, [1] * rows
-    heap = [(-h[0][1], i, 0) for i, h in enumerate(hulls) if h]  # (−gain per node, row, step index)
-    heapq.heapify(heap)
-    while heap:
-        _, i, j = heapq.heappop(heap)
-        w, _ = hulls[i][j]
+    for w, i in order:
+        if w > cap:  # and every later step of this row: its hull widens
+            continue
         e = expected[i]
         gain += e[w - 1] - e[widths[i] - 1]
         tokens += w - widths[i]
         widths[i] = w
-        goodput = gain / step(tokens, max(widths))
+        widest = max(widest, w)  # widths only grow
+        goodput = gain / step(tokens, widest)
         if goodput > best * 1.02:
             best, best_widths = goodput, list(widths)
-        if j + 1 < len(hulls[i]):
-            heapq.heappush(heap, (-hulls[i][j + 1][1], i, j + 1))
     return best, best_widths
