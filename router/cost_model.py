@@ -194,7 +194,9 @@ class AtContext:
 
         @functools.cache
         def by_widest(widest: int) -> float:  # the context's seconds (StepCost.__call__'s extra)
-            return table.context(max(rows, 1), max(widest, 1), context) if table.context is not None else 0.0
+            if table.context is None or context is None:
+                return 0.0
+            return table.context(max(rows, 1), max(widest, 1), context)
 
         def step(tokens: int, widest: int) -> float:
             seconds, ratio = by_tokens(tokens)

@@ -43,7 +43,7 @@ gemv_only = pytest.mark.skipif(not cpu_linear.cpu_supported(), reason="this CPU 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
     "rows,k,n",
-    [(1, 96, 40), (2, 96, 40), (3, 13, 9), (5, 100, 17), (8, 576, 192), (17, 64, 8), (1, 7, 3)],
+    [(1, 96, 40), (2, 96, 40), (3, 13, 9), (5, 100, 17), (8, 576, 192), (17, 64, 8), (1, 7, 3), (6, 5, 9)],
 )
 def test_the_kernel_matches_the_reference_for_any_rows_and_ragged_widths(rows, k, n, bias):
     """Weight blocks of 8 rows and 8-lane sums over k, with tails on both (k = 13, n = 17 …)."""
