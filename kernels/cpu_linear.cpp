@@ -23,6 +23,16 @@ namespace {
 
 using specmesh_cpu::hsum;
 
+// One output from its 8-lane partial sums over k < k_end: reduced by hsum, then w[j] · x[j] for the tail
+// j = k_end … K - 1, fused explicitly (left to the compiler, the tail's products may be vectorized apart from its
+// sum, rounded twice, in one tile shape and fused in another: GCC with AVX-512, so rows would differ by step).
+// Every tile ends here, so every output is the same sum in the same order.
+inline float finish(__m256 acc, const float* w, const float* x, int64_t k_end, int64_t K) {
+  float s = hsum(acc);
+  for (int64_t j = k_end; j < K; ++j) s = std::fma(w[j], x[j], s);
+  return s;
+}
+
 // y[t · N + r] = Σ_k x[t, k] · w[r · K + k] for R weight rows (row stride K) and T rows of x: each output an
 // 8-lane partial sum over k in order, reduced once (so the same bits whatever R and T). Each step of k loads the
 // R weight vectors once for the T rows of x, R·T fused multiply-adds for R + T loads; pf: the next group's rows,
@@ -44,13 +54,7 @@ inline void tile_dot(const float* x, const float* w, int64_t K, float* y, int64_
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) {
-      float s = hsum(acc[r][t]);
-      // fused explicitly: left to the compiler, the tail's products may be vectorized apart from its sum
-      // (rounded twice) in one tile shape and fused in another (GCC with AVX-512), so rows would differ by step
-      for (int64_t j = k; j < K; ++j) s = std::fma(w[r * K + j], x[t * K + j], s);
-      y[t * N + r] = s;
-    }
+    for (int r = 0; r < R; ++r) y[t * N + r] = finish(acc[r][t], w + r * K, x + t * K, k, K);
 }
 
 // Every row of x (M of them) by R weight rows: 4 rows of x at a time, then the rest.
@@ -70,7 +74,7 @@ inline void rows_by_rows(const float* x, int64_t M, const float* w, int64_t K, f
 // ---- Two rows of x in one 16-lane vector (where the build has AVX-512): lanes 0-7 hold row 2p's 8 values of
 // a step of k, lanes 8-15 row 2p + 1's, and the weight row's 8 values are loaded into both halves
 // (vbroadcastf64x4). One 16-lane multiply-add is then two rows' 8-lane steps of tile_dot, each lane the same
-// fused multiply-add in the same k order, and each half is reduced by hsum as tile_dot reduces its vector: the
+// fused multiply-add in the same k order, and each half is finished as tile_dot finishes its vector (finish): the
 // same bits as tile_dot (and the AVX2 build), at twice the multiply-adds per instruction.
 
 // The rows of x side by side in pairs, once per call: xi [P][K / 8][16] (an odd M's last pair padded with zeros).
@@ -120,11 +124,7 @@ inline void pair_tile_dot(const PairedRows& xr, int64_t p0, const float* x, int6
     for (int h = 0; h < 2; ++h) {
       const int64_t t = 2 * (p0 + p) + h;
       if (t >= M) continue;
-      for (int r = 0; r < R; ++r) {
-        float s = hsum(half(acc[r][p], h));
-        for (int64_t j = k; j < K; ++j) s = std::fma(w[r * K + j], x[t * K + j], s);  // as tile_dot's tail
-        y[t * N + r] = s;
-      }
+      for (int r = 0; r < R; ++r) y[t * N + r] = finish(half(acc[r][p], h), w + r * K, x + t * K, k, K);
     }
 }
 
